@@ -1,0 +1,64 @@
+"""kombu-pgskip: a Celery/kombu message broker inside PostgreSQL.
+
+Importing this package registers the ``pgskip`` URL scheme with kombu, so that
+``broker_url = "pgskip://user:password@host:5432/dbname"`` works in any process that imported it.
+The ``celery -A proj pgskip ...`` entry point makes every ``celery`` CLI process import it.
+"""
+
+from __future__ import annotations
+
+from kombu.transport import TRANSPORT_ALIASES
+
+from .exceptions import (
+    ConfigurationError,
+    ConnectionClosed,
+    ConnectionFailed,
+    ConnectionInAutocommit,
+    InvalidQueueName,
+    InvalidURL,
+    MessageTooLarge,
+    NotAConnection,
+    PgSkipError,
+    SchemaError,
+    SchemaNotInstalled,
+    SchemaOutdated,
+    TransactionAborted,
+    TransactionalEnqueueError,
+    UnsupportedCanvas,
+)
+from .migrate import migrate
+from .urls import mask_url
+
+__version__ = "0.1.0"
+
+TRANSPORT_PATH = "kombu_pgskip.transport:Transport"
+
+
+def register() -> None:
+    """Register the ``pgskip`` scheme with kombu (idempotent; done on import)."""
+    TRANSPORT_ALIASES.setdefault("pgskip", TRANSPORT_PATH)
+
+
+register()
+
+__all__ = [
+    "TRANSPORT_PATH",
+    "ConfigurationError",
+    "ConnectionClosed",
+    "ConnectionFailed",
+    "ConnectionInAutocommit",
+    "InvalidQueueName",
+    "InvalidURL",
+    "MessageTooLarge",
+    "NotAConnection",
+    "PgSkipError",
+    "SchemaError",
+    "SchemaNotInstalled",
+    "SchemaOutdated",
+    "TransactionAborted",
+    "TransactionalEnqueueError",
+    "UnsupportedCanvas",
+    "mask_url",
+    "migrate",
+    "register",
+]

@@ -1,0 +1,146 @@
+"""kombu/Celery message <-> row.
+
+The row's ``payload`` is the kombu virtual-transport message (body encoded as the channel's
+``body_encoding``, headers, properties), so what a worker receives is exactly what the publisher
+sent. A few fields are lifted into columns: the queue, the priority, when it may be delivered (from
+Celery's ``eta`` header), the task name and id (for operators), and the TTL.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from kombu.utils.json import dumps
+
+from . import exceptions
+from .store import FetchedRow, NewMessage
+
+MAX_QUEUE_NAME_BYTES = 255
+
+
+def validate_queue_name(name: object) -> str:
+    """Return ``name`` if it can name a queue, else raise :class:`InvalidQueueName`."""
+    if not isinstance(name, str):
+        raise exceptions.InvalidQueueName(f"queue name must be a string, got {name!r}")
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if not 0 < size <= MAX_QUEUE_NAME_BYTES:
+        shown = name if size <= 80 else name[:60] + "..."
+        raise exceptions.InvalidQueueName(
+            f"invalid queue name {shown!r} ({size} bytes): a queue name is 1 to "
+            f"{MAX_QUEUE_NAME_BYTES} bytes of UTF-8"
+        )
+    if "\x00" in name:
+        raise exceptions.InvalidQueueName(
+            f"invalid queue name {name!r}: NUL characters are not allowed"
+        )
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise exceptions.InvalidQueueName(
+            f"invalid queue name {name!r}: not valid UTF-8 (lone surrogate)"
+        ) from None
+    return name
+
+
+def _parse_eta(value: Any) -> datetime | None:
+    if not value:
+        return None
+    if isinstance(value, datetime):
+        eta = value
+    else:
+        try:
+            eta = datetime.fromisoformat(str(value))
+        except ValueError:
+            return None  # Celery rejects it at the worker with a clear error; deliver now.
+    if eta.tzinfo is None:
+        eta = eta.replace(tzinfo=timezone.utc)
+    return eta
+
+
+def _priority(message: dict[str, Any], max_priority: int = 9) -> int:
+    try:
+        value = int(message.get("properties", {}).get("priority") or 0)
+    except (TypeError, ValueError):
+        return 0
+    return max(0, min(value, max_priority))
+
+
+def _ttl_ms(message: dict[str, Any]) -> int | None:
+    expiration = message.get("properties", {}).get("expiration")
+    if expiration in (None, ""):
+        return None
+    try:
+        return max(0, int(float(expiration)))
+    except (TypeError, ValueError):
+        return None
+
+
+def to_row(
+    queue: str,
+    message: dict[str, Any],
+    *,
+    eta_threshold: float,
+    max_message_size: int,
+    now: datetime | None = None,
+) -> NewMessage:
+    """The row for ``message`` published to ``queue``.
+
+    A message whose ``eta`` is more than ``eta_threshold`` seconds away is stored as
+    ``scheduled`` with ``run_at`` = eta: it waits in the database, not in a worker's memory.
+    """
+    validate_queue_name(queue)
+    headers = message.get("headers") or {}
+    payload = dumps(message)
+    if len(payload) > max_message_size:
+        raise exceptions.MessageTooLarge(
+            f"message of {len(payload)} bytes for queue {queue!r} exceeds max_message_size "
+            f"({max_message_size} bytes): pass large data by reference (a row id, an object "
+            "store key) or raise the max_message_size transport option"
+        )
+    if "\\u0000" in payload:
+        # PostgreSQL's json accepts it, but nothing can decode it back reliably.
+        raise exceptions.ConfigurationError(
+            "message contains a NUL character (\\u0000), which PostgreSQL cannot store: "
+            "use a binary serializer (pickle/msgpack) or strip NULs"
+        )
+    eta = _parse_eta(headers.get("eta"))
+    status, run_at = "pending", None
+    if eta is not None:
+        current = now or datetime.now(timezone.utc)
+        if eta - current > timedelta(seconds=eta_threshold):
+            status, run_at = "scheduled", eta
+    task_name = headers.get("task")
+    task_id = headers.get("id")
+    return NewMessage(
+        queue=queue,
+        priority=_priority(message),
+        status=status,
+        run_at=run_at,
+        payload=payload,
+        task_name=str(task_name) if task_name is not None else None,
+        task_id=str(task_id) if task_id is not None else None,
+        ttl_ms=_ttl_ms(message),
+    )
+
+
+def make_tag(row_id: int, attempts: int) -> str:
+    """A delivery tag that is also the fencing token: the row and which delivery of it."""
+    return f"{row_id}.{attempts}"
+
+
+def parse_tag(tag: object) -> tuple[int, int]:
+    row_id, _, attempts = str(tag).partition(".")
+    return int(row_id), int(attempts)
+
+
+def to_message(row: FetchedRow) -> dict[str, Any]:
+    """The raw kombu message a consumer receives for a fetched row."""
+    message = row.payload
+    props = message.setdefault("properties", {})
+    props["delivery_tag"] = make_tag(row.id, row.attempts)
+    delivery_info = props.setdefault("delivery_info", {})
+    delivery_info["redelivered"] = row.redelivered
+    delivery_info.setdefault("routing_key", row.queue)
+    message["redelivered"] = row.redelivered
+    return message

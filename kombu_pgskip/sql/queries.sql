@@ -1,0 +1,227 @@
+-- All runtime SQL of kombu-pgskip, as named blocks: "-- name: one-line description".
+-- {schema} is replaced by the quoted schema identifier; values are always bound parameters.
+-- Every transition out of 'running' is fenced by (locked_by, attempts): a consumer whose lease
+-- was taken away changes nothing.
+
+-- publish: insert one message; priority clamped to the queue's x-max-priority, TTL from the message or the queue
+WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s)
+INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
+SELECT %(queue)s,
+       LEAST(%(priority)s, COALESCE((SELECT max_priority FROM q), 255)),
+       %(status)s::{schema}.job_status,
+       COALESCE(%(run_at)s::timestamptz, now()),
+       %(payload)s::json,
+       %(task_name)s,
+       %(task_id)s,
+       now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0)
+RETURNING id;
+
+-- fetch: take up to limit due messages from the given queues, round-robin across queues, mark them running
+WITH picked AS (
+    SELECT x.id, x.priority,
+           row_number() OVER (PARTITION BY x.queue ORDER BY x.priority DESC, x.run_at, x.id) AS rn
+      FROM unnest(%(queues)s::text[]) AS q(name)
+      CROSS JOIN LATERAL (
+            SELECT id, queue, priority, run_at
+              FROM {schema}.jobs
+             WHERE jobs.queue = q.name
+               AND status = 'pending'
+               AND run_at <= now()
+               AND (expires_at IS NULL OR expires_at > now())
+             ORDER BY priority DESC, run_at, id
+             LIMIT %(limit)s
+               FOR UPDATE SKIP LOCKED
+      ) AS x
+     ORDER BY x.priority DESC, rn
+     LIMIT %(limit)s
+)
+UPDATE {schema}.jobs AS jobs
+   SET status = 'running', locked_by = %(consumer)s, locked_at = now(), attempts = jobs.attempts + 1
+  FROM picked
+ WHERE jobs.id = picked.id
+RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts, jobs.expires_at,
+          picked.priority, picked.rn;
+
+-- fetch_noack: take and delete up to limit due messages (no-ack consumers: remote control, events)
+WITH picked AS (
+    SELECT x.id, x.priority,
+           row_number() OVER (PARTITION BY x.queue ORDER BY x.priority DESC, x.run_at, x.id) AS rn
+      FROM unnest(%(queues)s::text[]) AS q(name)
+      CROSS JOIN LATERAL (
+            SELECT id, queue, priority, run_at
+              FROM {schema}.jobs
+             WHERE jobs.queue = q.name
+               AND status = 'pending'
+               AND run_at <= now()
+               AND (expires_at IS NULL OR expires_at > now())
+             ORDER BY priority DESC, run_at, id
+             LIMIT %(limit)s
+               FOR UPDATE SKIP LOCKED
+      ) AS x
+     ORDER BY x.priority DESC, rn
+     LIMIT %(limit)s
+)
+DELETE FROM {schema}.jobs AS jobs
+ USING picked
+ WHERE jobs.id = picked.id
+RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts + 1, jobs.expires_at,
+          picked.priority, picked.rn;
+
+-- ack: mark delivered messages completed (fenced)
+UPDATE {schema}.jobs AS jobs
+   SET status = 'completed', finished_at = now(), locked_by = NULL
+  FROM unnest(%(ids)s::bigint[], %(attempts)s::integer[]) AS a(id, attempts)
+ WHERE jobs.id = a.id AND jobs.attempts = a.attempts
+   AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
+RETURNING jobs.id;
+
+-- requeue: return delivered messages to pending (fenced), or to failed past max_attempts deliveries
+WITH r AS (
+    UPDATE {schema}.jobs AS jobs
+       SET status = CASE WHEN jobs.attempts >= %(max_attempts)s THEN 'failed'
+                         ELSE 'pending' END::{schema}.job_status,
+           redelivered = true, locked_by = NULL, locked_at = NULL,
+           finished_at = CASE WHEN jobs.attempts >= %(max_attempts)s THEN now() END,
+           last_error = CASE WHEN jobs.attempts >= %(max_attempts)s
+                             THEN 'requeued after ' || jobs.attempts || ' deliveries (max_attempts)'
+                             ELSE jobs.last_error END
+      FROM unnest(%(ids)s::bigint[], %(attempts)s::integer[]) AS a(id, attempts)
+     WHERE jobs.id = a.id AND jobs.attempts = a.attempts
+       AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
+    RETURNING jobs.id, jobs.queue, jobs.status
+), n AS (
+    SELECT pg_notify(%(channel)s, d.queue)
+      FROM (SELECT DISTINCT queue FROM r WHERE status = 'pending') AS d
+)
+SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM r WHERE status = 'failed'),
+       (SELECT count(*) FROM n);
+
+-- fail: move delivered messages to failed with a reason (fenced; reject without requeue)
+UPDATE {schema}.jobs AS jobs
+   SET status = 'failed', finished_at = now(), locked_by = NULL, last_error = %(error)s
+  FROM unnest(%(ids)s::bigint[], %(attempts)s::integer[]) AS a(id, attempts)
+ WHERE jobs.id = a.id AND jobs.attempts = a.attempts
+   AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
+RETURNING jobs.id;
+
+-- register_consumer: create or refresh a consumer and its lease
+INSERT INTO {schema}.consumers (id, hostname, pid, queues, lease_until)
+VALUES (%(id)s, %(hostname)s, %(pid)s, %(queues)s, now() + make_interval(secs => %(lease)s))
+ON CONFLICT (id) DO UPDATE
+   SET lease_until = EXCLUDED.lease_until, heartbeat_at = now(), queues = EXCLUDED.queues;
+
+-- renew_consumers: extend the leases of live consumers; returns the ids still known
+UPDATE {schema}.consumers
+   SET lease_until = now() + make_interval(secs => %(lease)s), heartbeat_at = now()
+ WHERE id = ANY(%(ids)s::uuid[])
+RETURNING id;
+
+-- unregister_consumer: a consumer leaves: what it still holds goes back to pending, its row goes
+WITH c AS (
+    DELETE FROM {schema}.consumers WHERE id = %(id)s RETURNING id
+), r AS (
+    UPDATE {schema}.jobs
+       SET status = 'pending', redelivered = true, locked_by = NULL, locked_at = NULL
+     WHERE locked_by = %(id)s AND status = 'running'
+    RETURNING queue
+), n AS (
+    SELECT pg_notify(%(channel)s, d.queue) FROM (SELECT DISTINCT queue FROM r) AS d
+)
+SELECT (SELECT count(*) FROM c), (SELECT count(*) FROM r), (SELECT count(*) FROM n);
+
+-- sweep: return rows of consumers whose lease ran out to pending (or failed past max_attempts), forget those consumers
+WITH lost AS (
+    SELECT j.id
+      FROM {schema}.jobs AS j
+     WHERE j.status = 'running'
+       AND NOT EXISTS (SELECT 1 FROM {schema}.consumers AS c
+                        WHERE c.id = j.locked_by AND c.lease_until > now())
+       FOR UPDATE OF j SKIP LOCKED
+), r AS (
+    UPDATE {schema}.jobs AS jobs
+       SET status = CASE WHEN jobs.attempts >= %(max_attempts)s THEN 'failed'
+                         ELSE 'pending' END::{schema}.job_status,
+           redelivered = true, locked_by = NULL, locked_at = NULL,
+           finished_at = CASE WHEN jobs.attempts >= %(max_attempts)s THEN now() END,
+           last_error = CASE WHEN jobs.attempts >= %(max_attempts)s
+                             THEN 'consumer lost on each of ' || jobs.attempts || ' deliveries (max_attempts)'
+                             ELSE jobs.last_error END
+      FROM lost
+     WHERE jobs.id = lost.id
+    RETURNING jobs.queue, jobs.status
+), gone AS (
+    DELETE FROM {schema}.consumers WHERE lease_until <= now() RETURNING id
+), n AS (
+    SELECT pg_notify(%(channel)s, d.queue)
+      FROM (SELECT DISTINCT queue FROM r WHERE status = 'pending') AS d
+)
+SELECT (SELECT count(*) FROM r WHERE status = 'pending'), (SELECT count(*) FROM r WHERE status = 'failed'),
+       (SELECT count(*) FROM gone), (SELECT count(*) FROM n);
+
+-- promote_scheduled: make due scheduled messages pending; returns how many, and seconds until the next one
+WITH due AS (
+    SELECT id FROM {schema}.jobs
+     WHERE status = 'scheduled' AND run_at <= now()
+     ORDER BY run_at
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), p AS (
+    UPDATE {schema}.jobs AS jobs SET status = 'pending'
+      FROM due WHERE jobs.id = due.id
+    RETURNING jobs.queue
+), n AS (
+    SELECT pg_notify(%(channel)s, d.queue) FROM (SELECT DISTINCT queue FROM p) AS d
+)
+SELECT (SELECT count(*) FROM p), (SELECT count(*) FROM n),
+       (SELECT extract(epoch FROM min(run_at) - now())::float8
+          FROM {schema}.jobs WHERE status = 'scheduled' AND run_at > now());
+
+-- drop_expired: delete waiting messages whose TTL ran out; returns how many
+WITH d AS (
+    DELETE FROM {schema}.jobs
+     WHERE expires_at <= now() AND status IN ('pending', 'scheduled')
+    RETURNING 1
+)
+SELECT count(*) FROM d;
+
+-- purge: delete every waiting (pending or scheduled) message of a queue; returns the exact count
+WITH d AS (
+    DELETE FROM {schema}.jobs WHERE queue = %(queue)s AND status IN ('pending', 'scheduled')
+    RETURNING 1
+)
+SELECT count(*) FROM d;
+
+-- size: messages ready for delivery in a queue
+SELECT count(*) FROM {schema}.jobs WHERE queue = %(queue)s AND status = 'pending';
+
+-- declare_queue: create a queue or refresh its arguments
+INSERT INTO {schema}.queues (name, durable, auto_delete, arguments, max_priority, message_ttl, expires)
+VALUES (%(name)s, %(durable)s, %(auto_delete)s, %(arguments)s, %(max_priority)s, %(message_ttl)s, %(expires)s)
+ON CONFLICT (name) DO UPDATE
+   SET durable = EXCLUDED.durable, auto_delete = EXCLUDED.auto_delete,
+       arguments = EXCLUDED.arguments, max_priority = EXCLUDED.max_priority,
+       message_ttl = EXCLUDED.message_ttl, expires = EXCLUDED.expires, last_used_at = now();
+
+-- has_queue: is the queue declared
+SELECT EXISTS (SELECT 1 FROM {schema}.queues WHERE name = %(name)s);
+
+-- delete_queue: drop a queue and its waiting messages; returns how many messages went
+WITH q AS (
+    DELETE FROM {schema}.queues WHERE name = %(name)s RETURNING name
+), d AS (
+    DELETE FROM {schema}.jobs WHERE queue = %(name)s AND status IN ('pending', 'scheduled')
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM q);
+
+-- queue_stats: per-queue counts for operators
+SELECT queue,
+       count(*) FILTER (WHERE status = 'pending') AS pending,
+       count(*) FILTER (WHERE status = 'running') AS running,
+       count(*) FILTER (WHERE status = 'scheduled') AS scheduled,
+       count(*) FILTER (WHERE status = 'failed') AS failed,
+       extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8 AS oldest_pending_age,
+       count(*) FILTER (WHERE status = 'completed' AND finished_at > now() - interval '1 minute') AS completed_last_minute
+  FROM {schema}.jobs
+ GROUP BY queue
+ ORDER BY queue;

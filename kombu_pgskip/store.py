@@ -1,0 +1,324 @@
+"""Every database operation of the broker, by name.
+
+A :class:`Store` owns one psycopg connection in autocommit mode: each operation is one statement
+and one transaction, so a crash between two operations leaves every row in a state the sweeper
+understands. The connection is opened lazily, dropped (never closed) in a forked child, and
+reopened after it broke. psycopg serialises concurrent use of one connection, so acks from pool
+threads and fetches from the consumer thread can share it.
+
+Subclasses can run the same statements on a connection that belongs to someone else (the
+caller's transaction) by overriding :meth:`Store.run`; such a store must never commit, roll back
+or close that connection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from . import exceptions
+from .migrate import check_schema
+from .sql import queries_for
+from .urls import Connection, connect, mask_url
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FetchedRow:
+    id: int
+    queue: str
+    payload: dict[str, Any]
+    redelivered: bool
+    attempts: int
+
+
+@dataclass(frozen=True)
+class NewMessage:
+    """A message ready to be inserted (see :func:`kombu_pgskip.envelope.to_row`)."""
+
+    queue: str
+    priority: int
+    status: str
+    run_at: datetime | None
+    payload: str
+    task_name: str | None
+    task_id: str | None
+    ttl_ms: int | None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "queue": self.queue,
+            "priority": self.priority,
+            "status": self.status,
+            "run_at": self.run_at,
+            "payload": self.payload,
+            "task_name": self.task_name,
+            "task_id": self.task_id,
+            "ttl_ms": self.ttl_ms,
+        }
+
+
+def notify_channel(schema: str) -> str:
+    """The LISTEN/NOTIFY channel on which inserts of deliverable messages are announced."""
+    return f"pgskip:{schema}"
+
+
+def scheduled_channel(schema: str) -> str:
+    """The channel on which the due time of newly scheduled (far-future) messages is announced."""
+    return f"pgskip:{schema}:scheduled"
+
+
+_schema_checked: set[tuple[str, str]] = set()
+_schema_lock = threading.Lock()
+
+
+class Store:
+    """The broker's database operations on one lazily opened connection."""
+
+    def __init__(
+        self, url: str, *, schema: str = "pgskip", check: bool = True, **connect_kwargs: Any
+    ):
+        self.url = url
+        self.schema = schema
+        self.q = queries_for(schema)
+        self.channel = notify_channel(schema)
+        self._check = check
+        self._connect_kwargs = connect_kwargs
+        self._conn: Connection | None = None
+        self._pid = os.getpid()
+
+    def __repr__(self) -> str:
+        return f"<Store {mask_url(self.url)} schema={self.schema}>"
+
+    # -- connection ------------------------------------------------------------------------------
+
+    @property
+    def conn(self) -> Connection:
+        if self._pid != os.getpid():
+            # Forked child: the parent's socket is not ours to use or to close.
+            self._conn = None
+            self._pid = os.getpid()
+        conn = self._conn
+        if conn is None or conn.closed:
+            conn = connect(self.url, **self._connect_kwargs)
+            try:
+                self._ensure_schema(conn)
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+        return conn
+
+    def _ensure_schema(self, conn: Connection) -> None:
+        if not self._check:
+            return
+        key = (self.url, self.schema)
+        with _schema_lock:
+            if key in _schema_checked:
+                return
+        try:
+            check_schema(conn, self.schema)
+        except psycopg.Error as exc:
+            raise exceptions.translate(exc, url_for_messages=mask_url(self.url)) from exc
+        with _schema_lock:
+            _schema_checked.add(key)
+
+    def connect(self) -> None:
+        """Open the connection now (and check the schema): raises if the server is unusable."""
+        _ = self.conn
+
+    def close(self) -> None:
+        """Close the connection; in a forked child, only forget it."""
+        conn, self._conn = self._conn, None
+        if conn is None or self._pid != os.getpid():
+            return
+        try:
+            conn.close()
+        except Exception:  # closing a broken connection must not mask the original error
+            logger.debug("error closing connection", exc_info=True)
+
+    def execute(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """Run the named statement; driver errors that have a clearer meaning are translated."""
+        try:
+            return self.run(self.q[name], params)
+        except psycopg.Error as exc:
+            translated = exceptions.translate(exc, url_for_messages=mask_url(self.url))
+            if translated is not exc:
+                raise translated from exc
+            raise
+
+    def run(self, query: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        cur = self.conn.execute(query, params)
+        return cur.fetchall() if cur.description is not None else []
+
+    # -- publishing ------------------------------------------------------------------------------
+
+    def publish(self, message: NewMessage) -> int:
+        return int(self.execute("publish", message.params())[0][0])
+
+    # -- consuming -------------------------------------------------------------------------------
+
+    def fetch(
+        self, queues: Sequence[str], limit: int, consumer: uuid.UUID, *, no_ack: bool = False
+    ) -> list[FetchedRow]:
+        """Take up to ``limit`` due messages, fairly across ``queues``, in delivery order."""
+        if not queues or limit <= 0:
+            return []
+        rows = self.execute(
+            "fetch_noack" if no_ack else "fetch",
+            {"queues": list(queues), "limit": limit, "consumer": consumer},
+        )
+        rows.sort(key=lambda r: (-r[6], r[7], r[0]))
+        return [
+            FetchedRow(
+                id=r[0],
+                queue=r[1],
+                payload=r[2] if isinstance(r[2], dict) else json.loads(r[2]),
+                redelivered=r[3],
+                attempts=r[4],
+            )
+            for r in rows
+        ]
+
+    def ack(self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID) -> int:
+        """Mark (id, attempt) pairs completed; returns how many were still ours."""
+        ids, attempts = _split(tags)
+        return len(self.execute("ack", {"ids": ids, "attempts": attempts, "consumer": consumer}))
+
+    def requeue(
+        self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID, *, max_attempts: int
+    ) -> tuple[int, int]:
+        """Return messages to pending; returns (requeued or failed, failed for max_attempts)."""
+        ids, attempts = _split(tags)
+        row = self.execute(
+            "requeue",
+            {
+                "ids": ids,
+                "attempts": attempts,
+                "consumer": consumer,
+                "max_attempts": max_attempts,
+                "channel": self.channel,
+            },
+        )[0]
+        return int(row[0]), int(row[1])
+
+    def fail(self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID, error: str) -> int:
+        ids, attempts = _split(tags)
+        return len(
+            self.execute(
+                "fail", {"ids": ids, "attempts": attempts, "consumer": consumer, "error": error}
+            )
+        )
+
+    def register_consumer(
+        self, consumer: uuid.UUID, *, hostname: str, queues: Sequence[str], lease: float
+    ) -> None:
+        self.execute(
+            "register_consumer",
+            {
+                "id": consumer,
+                "hostname": hostname,
+                "pid": os.getpid(),
+                "queues": list(queues),
+                "lease": lease,
+            },
+        )
+
+    def renew_consumers(self, consumers: Sequence[uuid.UUID], lease: float) -> set[uuid.UUID]:
+        """Extend leases; returns the consumers that still exist (the others were swept)."""
+        if not consumers:
+            return set()
+        rows = self.execute("renew_consumers", {"ids": list(consumers), "lease": lease})
+        return {r[0] for r in rows}
+
+    def unregister_consumer(self, consumer: uuid.UUID) -> int:
+        """Forget a consumer; what it still held goes back to pending. Returns rows requeued."""
+        row = self.execute("unregister_consumer", {"id": consumer, "channel": self.channel})[0]
+        return int(row[1])
+
+    def sweep(self, *, max_attempts: int) -> tuple[int, int, int]:
+        """Rows of consumers whose lease ran out: (requeued, failed, consumers forgotten)."""
+        row = self.execute("sweep", {"max_attempts": max_attempts, "channel": self.channel})[0]
+        return int(row[0]), int(row[1]), int(row[2])
+
+    def drop_expired(self) -> int:
+        """Delete waiting messages whose TTL ran out; returns how many."""
+        return int(self.execute("drop_expired", {})[0][0])
+
+    def promote_scheduled(self, limit: int = 10_000) -> tuple[int, float | None]:
+        """Make due far-future messages pending; returns (promoted, seconds until the next)."""
+        row = self.execute("promote_scheduled", {"limit": limit, "channel": self.channel})[0]
+        return int(row[0]), (None if row[2] is None else float(row[2]))
+
+    # -- queues ----------------------------------------------------------------------------------
+
+    def purge(self, queue: str) -> int:
+        return int(self.execute("purge", {"queue": queue})[0][0])
+
+    def size(self, queue: str) -> int:
+        return int(self.execute("size", {"queue": queue})[0][0])
+
+    def declare_queue(
+        self,
+        name: str,
+        *,
+        durable: bool = True,
+        auto_delete: bool = False,
+        arguments: dict[str, Any] | None = None,
+    ) -> None:
+        args = dict(arguments or {})
+        self.execute(
+            "declare_queue",
+            {
+                "name": name,
+                "durable": durable,
+                "auto_delete": auto_delete,
+                "arguments": json.dumps(args, default=str),
+                "max_priority": _int_or_none(args.get("x-max-priority")),
+                "message_ttl": _int_or_none(args.get("x-message-ttl")),
+                "expires": _int_or_none(args.get("x-expires")),
+            },
+        )
+
+    def has_queue(self, name: str) -> bool:
+        return bool(self.execute("has_queue", {"name": name})[0][0])
+
+    def delete_queue(self, name: str) -> int:
+        return int(self.execute("delete_queue", {"name": name})[0][0])
+
+    def queue_stats(self) -> list[dict[str, Any]]:
+        cols = (
+            "queue",
+            "pending",
+            "running",
+            "scheduled",
+            "failed",
+            "oldest_pending_age",
+            "completed_last_minute",
+        )
+        return [dict(zip(cols, r, strict=True)) for r in self.execute("queue_stats", {})]
+
+
+def _split(tags: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    return [t[0] for t in tags], [t[1] for t in tags]
+
+
+def _int_or_none(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise exceptions.ConfigurationError(
+            f"queue argument must be an integer, got {value!r}"
+        ) from None

@@ -1,0 +1,685 @@
+"""kombu transport for PostgreSQL: messages are rows, fetched with ``FOR UPDATE SKIP LOCKED``.
+
+Features
+========
+* Type: virtual
+* Supports direct and topic exchanges (bindings kept per process, as kombu's virtual transports do)
+* Supports priority 0-9 (9 first, AMQP order), clamped to a queue's ``x-max-priority``
+* Supports TTL (``expiration`` / ``x-message-ttl``)
+* Supports at-least-once delivery: a message leaves the table only when acknowledged
+
+Connection string
+=================
+.. code-block::
+
+    pgskip://user:password@host:5432/dbname?sslmode=require
+    pgskip+postgresql://user:password@host1,host2/dbname?target_session_attrs=read-write
+
+The query string holds libpq options. The password never appears in logs or ``repr``.
+``broker_transport = "kombu_pgskip.transport:Transport"`` works too if ``kombu_pgskip`` cannot be
+imported before the URL is parsed.
+
+A message's life
+================
+``pending -> running`` when a consumer fetches it (one statement, ``UPDATE ... FROM (SELECT ...
+FOR UPDATE SKIP LOCKED)``, up to the consumer's free prefetch credit); ``running -> completed`` on
+ack; ``running -> pending`` on requeue, on channel close, or when its consumer's lease runs out
+(``redelivered`` is then true); ``running -> failed`` on reject without requeue or after
+``max_attempts`` deliveries. A message whose ``eta`` is more than ``eta_threshold`` seconds away
+is stored as ``scheduled`` and promoted to ``pending`` when due, so workers do not hold it.
+
+Every consumer has a lease (a row in ``consumers``) that a heartbeat thread renews every
+``lease_seconds / 3``; a consumer that dies stops renewing, and after ``lease_seconds`` any live
+worker's sweeper (every ``sweep_interval``) puts its rows back to ``pending``. Acks are fenced by
+(consumer, delivery number): an ack from a consumer that lost its lease changes nothing.
+
+Workers wake at commit through LISTEN/NOTIFY, with a poll every ``polling_interval`` as fallback.
+
+Transport options
+=================
+============================  =========  ==========================================================
+option                        default    meaning
+============================  =========  ==========================================================
+``schema``                    "pgskip"   schema holding the tables (``pgskip migrate`` installs it)
+``polling_interval``          1.0        seconds between polls when no notification arrives
+``listen``                    True       use LISTEN/NOTIFY; False = poll only (PgBouncer
+                                         transaction pooling)
+``lease_seconds``             30.0       a consumer silent this long is dead; its rows return
+``sweep_interval``            10.0       how often each worker sweeps dead consumers' rows
+``max_attempts``              20         deliveries before a message goes to ``failed``
+``eta_threshold``             2.0        ETAs further away than this wait in the database
+``fetch_limit``               100        most messages fetched in one statement
+``max_message_size``          67108864   bytes of encoded message accepted by publish
+``connect_timeout``           10         seconds to wait for a connection
+``check_schema``              True       refuse to run against a missing or outdated schema
+============================  =========  ==========================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from functools import cached_property
+from queue import Empty
+from typing import Any
+
+import psycopg
+from kombu.transport import virtual
+
+from . import exceptions
+from .envelope import parse_tag, to_message, to_row, validate_queue_name
+from .store import FetchedRow, Store, notify_channel, scheduled_channel
+from .urls import build_url, connect, mask_url, to_conninfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Options:
+    """Transport options, validated. See the module docstring for their meaning."""
+
+    schema: str = "pgskip"
+    polling_interval: float = 1.0
+    listen: bool = True
+    lease_seconds: float = 30.0
+    sweep_interval: float = 10.0
+    max_attempts: int = 20
+    eta_threshold: float = 2.0
+    fetch_limit: int = 100
+    max_message_size: int = 64 * 1024 * 1024
+    connect_timeout: float = 10.0
+    check_schema: bool = True
+
+    @classmethod
+    def from_transport_options(cls, options: dict[str, Any]) -> Options:
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for name, value in options.items():
+            if name not in known:
+                continue  # kombu and Celery pass their own options through the same dict
+            default = getattr(cls, name)
+            try:
+                if isinstance(default, bool):
+                    if isinstance(value, str):
+                        value = value.strip().lower() in ("1", "true", "yes", "on")
+                    values[name] = bool(value)
+                else:
+                    values[name] = type(default)(value)
+            except (TypeError, ValueError):
+                raise exceptions.ConfigurationError(
+                    f"transport option {name}={value!r}: expected {type(default).__name__}"
+                ) from None
+        opts = cls(**values)
+        opts.validate()
+        return opts
+
+    def validate(self) -> None:
+        if not self.schema or len(self.schema) > 63:
+            raise exceptions.ConfigurationError(f"transport option schema={self.schema!r}")
+        for name in ("polling_interval", "lease_seconds", "sweep_interval", "connect_timeout"):
+            if getattr(self, name) <= 0:
+                raise exceptions.ConfigurationError(f"transport option {name} must be > 0")
+        if self.lease_seconds < 3:
+            raise exceptions.ConfigurationError("transport option lease_seconds must be >= 3")
+        if self.max_attempts < 1 or self.fetch_limit < 1 or self.max_message_size < 1024:
+            raise exceptions.ConfigurationError(
+                "transport options max_attempts and fetch_limit must be >= 1, "
+                "max_message_size >= 1024"
+            )
+        if self.eta_threshold < 0:
+            raise exceptions.ConfigurationError("transport option eta_threshold must be >= 0")
+
+
+class QoS(virtual.QoS):
+    """Prefetch accounting from kombu; acks, rejects and restores become fenced row updates."""
+
+    channel: Channel
+
+    def ack(self, delivery_tag: Any) -> None:
+        self.channel._settle("ack", [delivery_tag])
+        self._quick_ack(delivery_tag)
+        self.channel._credit_freed()
+
+    def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        self.channel._settle("requeue" if requeue else "fail", [delivery_tag])
+        self._quick_ack(delivery_tag)
+        self.channel._credit_freed()
+
+    def restore_unacked(self) -> list[Any]:
+        """Return every delivered, unacknowledged message to ``pending`` in one statement."""
+        self._flush()
+        tags = list(self._delivered)
+        self._delivered.clear()
+        if tags and self.channel.owned_by_this_process:
+            try:
+                self.channel._settle("requeue", tags)
+            except Exception as exc:
+                # Not lost: the consumer's lease runs out and the sweeper returns them.
+                logger.warning(
+                    "could not requeue %d unacked messages now (%s); they return to pending "
+                    "when this consumer's lease expires",
+                    len(tags),
+                    exc,
+                    extra={"action": "restore_failed"},
+                )
+        return []
+
+    def restore_unacked_once(self, stderr: Any = None) -> None:
+        if not self.channel.owned_by_this_process:
+            self._on_collect.cancel()
+            self._delivered.clear()
+            return
+        super().restore_unacked_once(stderr)
+
+
+class Channel(virtual.Channel):
+    """A kombu channel over the transport's shared connection."""
+
+    QoS = QoS
+    connection: Transport
+
+    def __init__(self, connection: Transport, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        self._pid = os.getpid()
+        self.consumer_id = uuid.uuid4()
+        self._registered = False
+        self._no_ack_queues: set[str] = set()
+        # Fail early, on the connection attempt, if the server or the schema is unusable.
+        self.store.connect()
+
+    @property
+    def owned_by_this_process(self) -> bool:
+        return self._pid == os.getpid()
+
+    @property
+    def store(self) -> Store:
+        return self.connection.store
+
+    @property
+    def options(self) -> Options:
+        return self.connection.options
+
+    # -- kombu virtual API -------------------------------------------------------------------
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        row = to_row(
+            queue,
+            message,
+            eta_threshold=self.options.eta_threshold,
+            max_message_size=self.options.max_message_size,
+        )
+        self.store.publish(row)
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        validate_queue_name(queue)
+        self._ensure_registered([queue])
+        rows = self.store.fetch([queue], 1, self.consumer_id)
+        if not rows:
+            raise Empty()
+        return to_message(rows[0])
+
+    def _purge(self, queue: str) -> int:
+        return self.store.purge(validate_queue_name(queue))
+
+    def _size(self, queue: str) -> int:
+        return self.store.size(validate_queue_name(queue))
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        self.store.delete_queue(validate_queue_name(queue))
+
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        self.store.declare_queue(
+            validate_queue_name(queue),
+            durable=bool(kwargs.get("durable", True)),
+            auto_delete=bool(kwargs.get("auto_delete", False)),
+            arguments=kwargs.get("arguments"),
+        )
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return self.store.has_queue(validate_queue_name(queue))
+
+    def basic_consume(
+        self,
+        queue: str,
+        no_ack: bool,
+        callback: Callable[..., Any],
+        consumer_tag: str,
+        **kwargs: Any,
+    ) -> Any:
+        validate_queue_name(queue)
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self._registered = False  # re-register with the new queue list
+        self.connection._wakeup_consumers()
+        return result
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        if queue is not None and queue not in self._active_queues:
+            self._no_ack_queues.discard(queue)
+        return result
+
+    def close(self) -> None:
+        was_closed = self.closed
+        transport = self.connection
+        super().close()  # cancels consumers, requeues unacked messages, detaches the transport
+        if transport is None:
+            return
+        if not was_closed and self._registered and self.owned_by_this_process:
+            try:
+                transport.store.unregister_consumer(self.consumer_id)
+            except Exception as exc:
+                logger.warning(
+                    "could not unregister consumer %s (%s); its lease expires by itself",
+                    self.consumer_id,
+                    exc,
+                    extra={"action": "unregister_failed"},
+                )
+            self._registered = False
+        transport._forget_consumer(self)
+
+    # -- consuming ---------------------------------------------------------------------------
+
+    def _ensure_registered(self, queues: list[str]) -> None:
+        if self._registered:
+            return
+        self.store.register_consumer(
+            self.consumer_id,
+            hostname=socket.gethostname(),
+            queues=queues,
+            lease=self.options.lease_seconds,
+        )
+        self._registered = True
+        self.connection._track_consumer(self)
+
+    def _fetch_batch(self) -> list[FetchedRow]:
+        """Fetch up to the free prefetch credit from the active queues."""
+        if not self._consumers or not self._active_queues:
+            return []
+        credit = self.qos.can_consume_max_estimate()
+        limit = (
+            self.options.fetch_limit if credit is None else min(credit, self.options.fetch_limit)
+        )
+        if limit <= 0:
+            return []
+        queues = list(dict.fromkeys(self._active_queues))
+        self._ensure_registered(queues)
+        ack_queues = [q for q in queues if q not in self._no_ack_queues]
+        noack_queues = [q for q in queues if q in self._no_ack_queues]
+        out: list[FetchedRow] = []
+        if noack_queues:
+            out += self.store.fetch(noack_queues, limit, self.consumer_id, no_ack=True)
+        if ack_queues and len(out) < limit:
+            out += self.store.fetch(ack_queues, limit - len(out), self.consumer_id)
+        return out
+
+    def _credit_freed(self) -> None:
+        transport = self.connection
+        if transport is not None:
+            transport._wakeup_consumers()
+
+    def _settle(self, how: str, tags: list[Any]) -> None:
+        pairs = [parse_tag(t) for t in tags]
+        if how == "ack":
+            done = self.store.ack(pairs, self.consumer_id)
+        elif how == "requeue":
+            done, failed = self.store.requeue(
+                pairs, self.consumer_id, max_attempts=self.options.max_attempts
+            )
+            if failed:
+                logger.warning(
+                    "%d messages moved to failed after %d deliveries",
+                    failed,
+                    self.options.max_attempts,
+                    extra={"action": "max_attempts"},
+                )
+        else:
+            done = self.store.fail(pairs, self.consumer_id, "rejected by consumer (requeue=False)")
+        if done < len(pairs):
+            logger.warning(
+                "%s of %d messages changed nothing: this consumer's lease was taken away and "
+                "the messages were handed to another consumer",
+                how,
+                len(pairs) - done,
+                extra={"action": f"{how}_fenced", "consumer": str(self.consumer_id)},
+            )
+
+
+PgChannel = Channel  # the name ``Channel`` is shadowed inside Transport's body
+
+
+class _Heartbeat(threading.Thread):
+    """Renews this process's consumer leases and sweeps dead consumers' rows.
+
+    It has its own connection, so leases stay alive while the consumer thread is busy (a task
+    running in the solo pool, a slow callback).
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        super().__init__(name="pgskip-heartbeat", daemon=True)
+        self.transport = transport
+        self.stop_event = threading.Event()
+        self.store = Store(
+            transport.url,
+            schema=transport.options.schema,
+            check=False,
+            connect_timeout=transport.options.connect_timeout,
+        )
+
+    def run(self) -> None:
+        opts = self.transport.options
+        interval = opts.lease_seconds / 3.0
+        next_sweep = time.monotonic() + opts.sweep_interval * (0.5 + (os.getpid() % 100) / 200)
+        while not self.stop_event.wait(interval):
+            try:
+                self.beat()
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + opts.sweep_interval
+                    self.sweep()
+            except Exception as exc:
+                logger.warning(
+                    "lease renewal failed: %s", exc, extra={"action": "heartbeat_failed"}
+                )
+                self.store.close()
+        self.store.close()
+
+    def beat(self) -> None:
+        opts = self.transport.options
+        channels = self.transport._consumer_channels()
+        if not channels:
+            return
+        ids = [c.consumer_id for c in channels]
+        alive = self.store.renew_consumers(ids, opts.lease_seconds)
+        for channel in channels:
+            if channel.consumer_id not in alive:
+                logger.warning(
+                    "consumer %s was declared dead (lease expired); messages it held were "
+                    "returned to the queue and their acks will be ignored",
+                    channel.consumer_id,
+                    extra={"action": "lease_lost"},
+                )
+                channel._registered = False
+
+    def sweep(self) -> None:
+        requeued, failed, forgotten = self.store.sweep(
+            max_attempts=self.transport.options.max_attempts
+        )
+        expired = self.store.drop_expired()
+        if expired:
+            logger.info(
+                "dropped %d messages whose TTL ran out", expired, extra={"action": "expire"}
+            )
+        if requeued or failed or forgotten:
+            logger.info(
+                "sweeper: %d messages of dead consumers requeued, %d failed, %d consumers "
+                "forgotten",
+                requeued,
+                failed,
+                forgotten,
+                extra={"action": "sweep"},
+            )
+
+
+class Transport(virtual.Transport):
+    """The ``pgskip://`` transport."""
+
+    Channel = Channel
+
+    can_parse_url = True
+    default_port = 5432
+    driver_type = "pgskip"
+    driver_name = "psycopg"
+    polling_interval = 1.0
+
+    implements = virtual.Transport.implements.extend(
+        asynchronous=False,
+        exchange_type=frozenset(["direct", "topic"]),
+        heartbeats=False,
+    )
+
+    connection_errors = (
+        *virtual.Transport.connection_errors,
+        psycopg.OperationalError,
+        psycopg.InterfaceError,
+    )
+    channel_errors = virtual.Transport.channel_errors
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        self.options = Options.from_transport_options(dict(client.transport_options or {}))
+        super().__init__(client, **kwargs)
+        self.polling_interval = self.options.polling_interval
+        self.url = self._client_url(client)
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._consumers: list[PgChannel] = []
+        self._listener: psycopg.Connection[Any] | None = None
+        self._heartbeat: _Heartbeat | None = None
+        self._next_promote = 0.0
+        # Self-pipe: acks on pool threads free prefetch credit and wake the consumer thread,
+        # which would otherwise sleep until the next notification or poll.
+        # Created when this transport first waits (consumers only).
+        self._wake_pair: tuple[socket.socket, socket.socket] | None = None
+        self._waiting = False
+
+    def __repr__(self) -> str:
+        return f"<pgskip Transport {mask_url(self.url)}>"
+
+    @staticmethod
+    def _client_url(client: Any) -> str:
+        hostname = client.hostname or "localhost"
+        if "://" in hostname:
+            url = hostname
+        else:
+            url = build_url(
+                hostname=hostname,
+                port=client.port,
+                userid=client.userid,
+                password=client.password,
+                virtual_host=client.virtual_host,
+            )
+        to_conninfo(url)  # raises InvalidURL with a message that says what is expected
+        return url
+
+    @cached_property
+    def store(self) -> Store:
+        return Store(
+            self.url,
+            schema=self.options.schema,
+            check=self.options.check_schema,
+            connect_timeout=self.options.connect_timeout,
+        )
+
+    def driver_version(self) -> str:
+        return psycopg.__version__
+
+    # -- connection lifecycle -------------------------------------------------------------------
+
+    def establish_connection(self) -> Transport:
+        result: Transport = super().establish_connection()
+        return result
+
+    def close_connection(self, connection: Any) -> None:
+        try:
+            super().close_connection(connection)
+        finally:
+            self._stop_background()
+            self.store.close()
+
+    def _stop_background(self) -> None:
+        hb, self._heartbeat = self._heartbeat, None
+        if hb is not None and self._pid == os.getpid():
+            hb.stop_event.set()
+        self._waiting = False
+        pair, self._wake_pair = self._wake_pair, None
+        if pair is not None and self._pid == os.getpid():
+            for sock in pair:
+                sock.close()
+        listener, self._listener = self._listener, None
+        if listener is not None and self._pid == os.getpid():
+            try:
+                listener.close()
+            except Exception:
+                logger.debug("error closing listener", exc_info=True)
+
+    def _track_consumer(self, channel: PgChannel) -> None:
+        with self._lock:
+            if channel not in self._consumers:
+                self._consumers.append(channel)
+            if self._heartbeat is None or not self._heartbeat.is_alive():
+                self._heartbeat = _Heartbeat(self)
+                self._heartbeat.start()
+
+    def _forget_consumer(self, channel: PgChannel) -> None:
+        with self._lock:
+            if channel in self._consumers:
+                self._consumers.remove(channel)
+
+    def _consumer_channels(self) -> list[PgChannel]:
+        with self._lock:
+            return [c for c in self._consumers if c._registered and not c.closed]
+
+    def _wakeup_consumers(self) -> None:
+        if self._waiting:
+            try:
+                if self._wake_pair is not None:
+                    self._wake_pair[1].send(b"!")
+            except OSError:
+                pass  # full (the consumer thread wakes anyway) or closed
+
+    # -- consuming --------------------------------------------------------------------------------
+
+    def drain_events(self, connection: Any, timeout: float | None = None, **kwargs: Any) -> None:
+        """Deliver the next batch of messages, waiting up to ``timeout`` seconds for one.
+
+        Waits on LISTEN (or sleeps, in poll-only mode) between polls; wakes early for a
+        notification on a consumed queue and when a scheduled message falls due.
+        """
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._listener = None
+            self._heartbeat = None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            if now >= self._next_promote:
+                self._promote(now)
+            if self._deliver_batch():
+                return
+            now = time.monotonic()
+            wait = min(self.options.polling_interval, max(0.0, self._next_promote - now))
+            if deadline is not None:
+                if now >= deadline:
+                    raise TimeoutError()
+                wait = min(wait, deadline - now)
+            self._wait(wait)
+
+    def _deliver_batch(self) -> bool:
+        delivered = False
+        for channel in list(self.channels):
+            if channel.closed or not channel._consumers:
+                continue
+            # A callback that raises leaves its message running under this consumer: the
+            # channel's restore on close, or the sweeper, returns it to the queue.
+            for row in channel._fetch_batch():
+                delivered = True
+                self._deliver(to_message(row), row.queue)
+        return delivered
+
+    def _promote(self, now: float) -> None:
+        promoted, next_in = self.store.promote_scheduled()
+        if promoted:
+            logger.debug("promoted %d scheduled messages", promoted, extra={"action": "promote"})
+        poll = self.options.polling_interval
+        delay = poll * 5 if next_in is None else min(max(next_in, 0.0), poll * 5)
+        self._next_promote = now + delay
+
+    def _ensure_listener(self) -> psycopg.Connection[Any] | None:
+        if not self.options.listen:
+            return None
+        if self._listener is None or self._listener.closed:
+            conn = connect(self.url, connect_timeout=self.options.connect_timeout)
+            schema = self.options.schema
+            for chan in (notify_channel(schema), scheduled_channel(schema)):
+                conn.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(chan)))
+            self._listener = conn
+        return self._listener
+
+    def _wait(self, seconds: float) -> None:
+        listener = self._ensure_listener()
+        if self._wake_pair is None:
+            self._wake_pair = socket.socketpair()
+            for sock in self._wake_pair:
+                sock.setblocking(False)
+        wake = self._wake_pair[0]
+        fds: list[Any] = [wake] if listener is None else [wake, listener.pgconn.socket]
+        end = time.monotonic() + seconds
+        wanted = self._consumed_queues()
+        sched = scheduled_channel(self.options.schema)
+        self._waiting = True
+        try:
+            while True:
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    return
+                readable, _, _ = select.select(fds, [], [], remaining)
+                if not readable:
+                    return
+                if wake in readable:
+                    self._drain_wake_pipe(wake)
+                    return
+                if listener is not None and self._read_notifications(listener, wanted, sched):
+                    return
+        finally:
+            self._waiting = False
+
+    @staticmethod
+    def _drain_wake_pipe(wake: socket.socket) -> None:
+        try:
+            while wake.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    def _read_notifications(
+        self, listener: psycopg.Connection[Any], wanted: set[str], sched: str
+    ) -> bool:
+        """Consume pending notifications; True if one concerns this worker."""
+        pgconn = listener.pgconn
+        pgconn.consume_input()  # raises OperationalError if the server went away
+        woke = False
+        while (note := pgconn.notifies()) is not None:
+            channel = note.relname.decode()
+            payload = note.extra.decode()
+            if channel == sched:
+                try:
+                    due_in = float(payload) - time.time()
+                except ValueError:
+                    continue
+                self._next_promote = min(self._next_promote, time.monotonic() + due_in)
+                woke = True
+            elif payload in wanted:
+                woke = True
+        return woke
+
+    def _consumed_queues(self) -> set[str]:
+        queues: set[str] = set()
+        for channel in self.channels:
+            if not channel.closed:
+                queues.update(channel._active_queues)
+        return queues
+
+    @property
+    def default_connection_params(self) -> dict[str, Any]:
+        return {"port": self.default_port, "hostname": "localhost"}
+
+
+__all__ = ["Channel", "Options", "QoS", "Transport", "mask_url"]

@@ -1,0 +1,130 @@
+"""Real `celery worker` processes against the pgskip broker."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from datetime import datetime, timezone
+
+import psycopg
+import pytest
+from celery import Celery
+
+from tests.acceptance.conftest import APPS_DIR, runs, wait_until
+from tests.helpers import CeleryWorker
+
+pytestmark = pytest.mark.acceptance
+
+FAST_LEASES = {"PGSKIP_OPT_LEASE_SECONDS": "3", "PGSKIP_OPT_SWEEP_INTERVAL": "1"}
+
+
+@pytest.fixture
+def publisher(broker_url: str) -> Iterator[Celery]:
+    app = Celery("publisher", broker=broker_url, set_as_current=False)
+    app.conf.task_default_queue = "default"
+    yield app
+    app.close()
+
+
+def worker(broker_url: str, **kwargs: object) -> CeleryWorker:
+    return CeleryWorker("taskapp", broker_url, cwd=APPS_DIR, **kwargs)  # type: ignore[arg-type]
+
+
+def finished(db_url: str) -> Counter[str]:
+    return Counter(key for key, *_ in runs(db_url, "finish"))
+
+
+def test_tasks_run_on_several_queues(broker_url: str, db_url: str, publisher: Celery) -> None:
+    for i in range(10):
+        publisher.send_task("taskapp.record", args=(f"d{i}",), queue="default")
+        publisher.send_task("taskapp.record", args=(f"e{i}",), queue="emails")
+    with worker(broker_url, queues=["default", "emails"], concurrency=4):
+        wait_until(lambda: len(finished(db_url)) == 20, 30, "20 tasks on two queues")
+    done = finished(db_url)
+    assert set(done) == {f"d{i}" for i in range(10)} | {f"e{i}" for i in range(10)}
+    assert set(done.values()) == {1}
+
+
+def test_higher_priority_tasks_start_first(broker_url: str, db_url: str, publisher: Celery) -> None:
+    order = [(0, "p0-a"), (9, "p9-a"), (5, "p5-a"), (0, "p0-b"), (9, "p9-b")]
+    for priority, key in order:
+        publisher.send_task("taskapp.record", args=(key,), queue="default", priority=priority)
+    with worker(broker_url, concurrency=1, extra_args=["--prefetch-multiplier", "1"]):
+        wait_until(lambda: len(finished(db_url)) == 5, 30, "5 tasks")
+    started = [key for key, *_ in runs(db_url, "start")]
+    assert started == ["p9-a", "p9-b", "p5-a", "p0-a", "p0-b"]
+
+
+def test_countdown_waits_in_the_database_and_runs_on_time(
+    broker_url: str, db_url: str, publisher: Celery
+) -> None:
+    with worker(broker_url) as w:
+        sent = datetime.now(timezone.utc)
+        publisher.send_task("taskapp.record", args=("later",), countdown=6)
+        time.sleep(3)
+        with psycopg.connect(db_url) as conn:
+            status = conn.execute("SELECT status::text FROM pgskip.jobs").fetchall()
+        assert status == [("scheduled",)], "the worker must not hold the message while it waits"
+        assert "received" not in w.log_text()
+        wait_until(lambda: finished(db_url)["later"] == 1, 15, "the countdown task")
+    with psycopg.connect(db_url) as conn:
+        (started,) = conn.execute(
+            "SELECT at FROM test_runs WHERE key = 'later' AND event = 'start'"
+        ).fetchone()  # type: ignore[misc]
+    delay = (started - sent).total_seconds()
+    assert 5.9 <= delay <= 7.5, delay
+
+
+def test_acks_late_task_of_a_killed_worker_runs_again_elsewhere(
+    broker_url: str, db_url: str, publisher: Celery
+) -> None:
+    first = worker(broker_url, extra_env=FAST_LEASES, hostname="first@%h").start()
+    try:
+        publisher.send_task("taskapp.record_late", args=("crash", 4.0))
+        wait_until(lambda: len(runs(db_url, "start")) == 1, 20, "the first start")
+        first.kill9()
+    finally:
+        first.kill9()
+    killed_at = time.monotonic()
+    with worker(broker_url, extra_env=FAST_LEASES, hostname="second@%h"):
+        wait_until(lambda: finished(db_url)["crash"] == 1, 30, "the task to run again")
+    recovery = time.monotonic() - killed_at
+    starts = runs(db_url, "start")
+    assert len(starts) == 2
+    assert starts[0][3] is False and starts[1][3] is True  # delivery_info["redelivered"]
+    assert starts[0][2] != starts[1][2]
+    assert recovery < 30, recovery
+
+
+def test_two_workers_never_both_receive_one_message(
+    broker_url: str, db_url: str, publisher: Celery
+) -> None:
+    n = 1000
+    w1 = worker(broker_url, concurrency=4, hostname="w1@%h")
+    w2 = worker(broker_url, concurrency=4, hostname="w2@%h")
+    with w1, w2, publisher.producer_or_acquire() as producer:
+        for i in range(n):
+            publisher.send_task("taskapp.record", args=(f"m{i}",), producer=producer)
+        wait_until(lambda: len(finished(db_url)) == n, 90, f"{n} tasks")
+    starts = Counter(key for key, *_ in runs(db_url, "start"))
+    assert len(starts) == n and set(starts.values()) == {1}
+    hosts = {pid for _, _, pid, _ in runs(db_url, "start")}
+    assert len(hosts) == 2, "both workers took part"
+
+
+def test_prefork_pool_children_publish_on_their_own_connections(
+    broker_url: str, db_url: str, publisher: Celery
+) -> None:
+    for i in range(6):
+        publisher.send_task("taskapp.spawn", args=(f"s{i}",))
+    with worker(broker_url, pool="prefork", concurrency=2):
+        wait_until(lambda: len(finished(db_url)) == 12, 40, "6 tasks and their 6 children")
+    done = finished(db_url)
+    assert set(done.values()) == {1}
+    assert {f"s{i}-child" for i in range(6)} <= set(done)
+    with psycopg.connect(db_url) as conn:
+        statuses = dict(
+            conn.execute("SELECT status::text, count(*) FROM pgskip.jobs GROUP BY 1").fetchall()
+        )
+    assert statuses == {"completed": 12}

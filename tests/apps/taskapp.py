@@ -1,0 +1,96 @@
+"""The Celery app the acceptance tests run in real `celery worker` processes.
+
+Every task records what it did in the ``test_runs`` table of the broker's own database, so a
+test can count, per message, how many times its task started and finished, across processes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psycopg
+from celery import Celery
+
+import kombu_pgskip
+
+BROKER_URL = os.environ.get("PGSKIP_BROKER_URL", "pgskip://postgres@127.0.0.1:5432/postgres")
+DB_URL = kombu_pgskip.urls.to_conninfo(BROKER_URL)
+
+app = Celery("taskapp", broker=BROKER_URL)
+app.conf.update(
+    task_default_queue="default",
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=True,
+    broker_transport_options={
+        k[len("PGSKIP_OPT_") :].lower(): v
+        for k, v in os.environ.items()
+        if k.startswith("PGSKIP_OPT_")
+    },
+    task_acks_on_failure_or_timeout=True,
+)
+
+_conn: psycopg.Connection[tuple[object, ...]] | None = None
+_pid = 0
+
+
+def _db() -> psycopg.Connection[tuple[object, ...]]:
+    global _conn, _pid
+    if _conn is None or _conn.closed or _pid != os.getpid():
+        _conn = psycopg.connect(DB_URL, autocommit=True)
+        _pid = os.getpid()
+    return _conn
+
+
+def ensure_table(url: str = DB_URL) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS test_runs ("
+            " id bigserial PRIMARY KEY, key text NOT NULL, event text NOT NULL,"
+            " pid int NOT NULL, hostname text, redelivered boolean,"
+            " at timestamptz NOT NULL DEFAULT clock_timestamp())"
+        )
+
+
+def _log(
+    key: str, event: str, redelivered: bool | None = None, hostname: str | None = None
+) -> None:
+    global _conn
+    sql = (
+        "INSERT INTO test_runs (key, event, pid, hostname, redelivered) VALUES (%s, %s, %s, %s, %s)"
+    )
+    try:
+        _db().execute(sql, (key, event, os.getpid(), hostname, redelivered))
+    except psycopg.OperationalError:
+        # The server restarted under this process (restart tests): log on a new connection.
+        _conn = None
+        _db().execute(sql, (key, event, os.getpid(), hostname, redelivered))
+
+
+@app.task(bind=True, name="taskapp.record")
+def record(self, key: str, sleep: float = 0.0) -> str:  # type: ignore[no-untyped-def]
+    info = self.request.delivery_info or {}
+    _log(key, "start", info.get("redelivered"), self.request.hostname)
+    if sleep:
+        time.sleep(sleep)
+    _log(key, "finish", info.get("redelivered"), self.request.hostname)
+    return key
+
+
+@app.task(bind=True, name="taskapp.record_late", acks_late=True, reject_on_worker_lost=True)
+def record_late(self, key: str, sleep: float = 0.0) -> str:  # type: ignore[no-untyped-def]
+    info = self.request.delivery_info or {}
+    _log(key, "start", info.get("redelivered"), self.request.hostname)
+    if sleep:
+        time.sleep(sleep)
+    _log(key, "finish", info.get("redelivered"), self.request.hostname)
+    return key
+
+
+@app.task(bind=True, name="taskapp.spawn")
+def spawn(self, key: str) -> str:  # type: ignore[no-untyped-def]
+    """Publishes a child task from inside the worker (a prefork child's own connection)."""
+    _log(key, "start", None, self.request.hostname)
+    record.apply_async(args=(f"{key}-child",), queue=self.request.delivery_info.get("routing_key"))
+    _log(key, "finish", None, self.request.hostname)
+    return key

@@ -1,0 +1,121 @@
+"""The migration runner against a real server: applied once, recorded, locked, and checked."""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pytest
+
+from kombu_pgskip import exceptions
+from kombu_pgskip.migrate import check_schema, latest_version, load_migrations, migrate
+
+
+def test_migrate_applies_every_file_once_and_records_versions(empty_db_url: str) -> None:
+    applied = migrate(empty_db_url)
+    assert applied == [m.label for m in load_migrations()]
+    assert migrate(empty_db_url) == []
+    with psycopg.connect(empty_db_url) as conn:
+        versions = [r[0] for r in conn.execute("SELECT version FROM pgskip.migrations ORDER BY 1")]
+        assert versions == [m.version for m in load_migrations()]
+        assert check_schema(conn, "pgskip") == latest_version()  # type: ignore[arg-type]
+
+
+def test_migrated_schema_has_the_queue_table_tuned_for_churn(empty_db_url: str) -> None:
+    migrate(empty_db_url)
+    with psycopg.connect(empty_db_url) as conn:
+        tables = {
+            r[0]
+            for r in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'pgskip'")
+        }
+        assert {"jobs", "queues", "exchanges", "bindings", "consumers", "migrations"} <= tables
+        (options,) = conn.execute(
+            "SELECT reloptions FROM pg_class WHERE oid = 'pgskip.jobs'::regclass"
+        ).fetchone()  # type: ignore[misc]
+        assert "fillfactor=70" in options
+        assert any(o.startswith("autovacuum_vacuum_scale_factor") for o in options)
+        (indexdef,) = conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'jobs_dequeue'"
+        ).fetchone()  # type: ignore[misc]
+        assert "(queue, priority DESC, run_at, id)" in indexdef
+        assert "WHERE (status = 'pending'" in indexdef
+        # The often-changing lease columns stay out of every index (HOT updates).
+        indexed = " ".join(
+            r[0] for r in conn.execute("SELECT indexdef FROM pg_indexes WHERE tablename = 'jobs'")
+        )
+        assert "locked_at" not in indexed and "attempts" not in indexed
+
+
+def test_dry_run_prints_sql_and_changes_nothing(empty_db_url: str) -> None:
+    blocks = migrate(empty_db_url, dry_run=True)
+    assert blocks and "CREATE TABLE jobs" in blocks[0]
+    with psycopg.connect(empty_db_url) as conn:
+        assert conn.execute("SELECT to_regnamespace('pgskip')").fetchone() == (None,)
+
+
+def test_concurrent_runners_apply_each_migration_once(empty_db_url: str) -> None:
+    results: list[list[str]] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(migrate(empty_db_url))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sorted(len(r) for r in results) == [0, 0, len(load_migrations())]
+
+
+def test_custom_schema_name(empty_db_url: str) -> None:
+    migrate(empty_db_url, schema="Queue Schema")
+    with psycopg.connect(empty_db_url) as conn:
+        assert check_schema(conn, "Queue Schema") == latest_version()  # type: ignore[arg-type]
+        with pytest.raises(exceptions.SchemaNotInstalled):
+            check_schema(conn, "pgskip")  # type: ignore[arg-type]
+
+
+def test_missing_schema_names_the_migrate_command(empty_db_url: str) -> None:
+    with (
+        psycopg.connect(empty_db_url) as conn,
+        pytest.raises(exceptions.SchemaNotInstalled) as info,
+    ):
+        check_schema(conn, "pgskip")  # type: ignore[arg-type]
+    assert "celery -A proj pgskip migrate" in str(info.value)
+
+
+def test_outdated_schema_names_the_migrate_command(db_url: str) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM pgskip.migrations WHERE version = %s", (latest_version(),))
+        if latest_version() == 1:
+            with pytest.raises(exceptions.SchemaNotInstalled):
+                check_schema(conn, "pgskip")  # type: ignore[arg-type]
+        else:
+            with pytest.raises(exceptions.SchemaOutdated, match="pgskip migrate"):
+                check_schema(conn, "pgskip")  # type: ignore[arg-type]
+
+
+def test_schema_newer_than_the_package_says_upgrade(db_url: str) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO pgskip.migrations (version, name, checksum) VALUES (9999, 'future', 'x')"
+        )
+        with pytest.raises(exceptions.SchemaTooNew, match="upgrade"):
+            check_schema(conn, "pgskip")  # type: ignore[arg-type]
+
+
+def test_failed_migration_applies_nothing(empty_db_url: str) -> None:
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        # A conflicting object makes 0001 fail half-way.
+        conn.execute("CREATE SCHEMA pgskip")
+        conn.execute("CREATE TABLE pgskip.consumers (x int)")
+    with pytest.raises(exceptions.MigrationError, match="nothing was applied"):
+        migrate(empty_db_url)
+    with psycopg.connect(empty_db_url) as conn:
+        assert conn.execute("SELECT to_regclass('pgskip.jobs')").fetchone() == (None,)
+        assert conn.execute("SELECT to_regclass('pgskip.migrations')").fetchone() == (None,)
