@@ -27,6 +27,7 @@ from .exceptions import (
     UnsupportedCanvas,
 )
 from .migrate import migrate
+from .publish import apply_async_in, send_task_in
 from .urls import mask_url
 
 __version__ = "0.1.0"
@@ -58,7 +59,9 @@ __all__ = [
     "TransactionAborted",
     "TransactionalEnqueueError",
     "UnsupportedCanvas",
+    "apply_async_in",
     "mask_url",
     "migrate",
     "register",
+    "send_task_in",
 ]

@@ -128,3 +128,38 @@ def test_prefork_pool_children_publish_on_their_own_connections(
             conn.execute("SELECT status::text, count(*) FROM pgskip.jobs GROUP BY 1").fetchall()
         )
     assert statuses == {"completed": 12}
+
+
+def test_task_longer_than_the_lease_runs_once_while_its_worker_lives(
+    broker_url: str, db_url: str, publisher: Celery
+) -> None:
+    # Lease 3 s, task 9 s: the heartbeat thread must keep renewing it, even in the solo pool
+    # where the task blocks the consumer thread, while a second worker sweeps every second.
+    busy = worker(broker_url, pool="solo", concurrency=1, extra_env=FAST_LEASES, hostname="busy@%h")
+    idle = worker(broker_url, extra_env=FAST_LEASES, hostname="idle@%h")
+    with busy:
+        publisher.send_task("taskapp.record_late", args=("long", 9.0))
+        wait_until(lambda: len(runs(db_url, "start")) == 1, 20, "the long task to start")
+        with idle:
+            wait_until(lambda: finished(db_url)["long"] == 1, 30, "the long task to finish")
+            time.sleep(2)
+    assert len(runs(db_url, "start")) == 1
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute("SELECT status::text, attempts, redelivered FROM pgskip.jobs").fetchone()
+    assert row == ("completed", 1, False)
+
+
+def test_poll_only_mode_delivers_without_listen(
+    broker_url: str, db_url: str, publisher: Celery
+) -> None:
+    env = {"PGSKIP_OPT_LISTEN": "false", "PGSKIP_OPT_POLLING_INTERVAL": "0.2"}
+    with worker(broker_url, extra_env=env):
+        for i in range(5):
+            publisher.send_task("taskapp.record", args=(f"poll{i}",))
+        wait_until(lambda: len(finished(db_url)) == 5, 20, "5 tasks in poll-only mode")
+        with psycopg.connect(db_url) as conn:
+            listeners = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND query ILIKE 'LISTEN%%'"
+            ).fetchone()
+    assert listeners == (0,)

@@ -1,0 +1,415 @@
+"""Run kombu-pgskip's statements on a connection that belongs to the caller.
+
+One adapter per driver family: psycopg 3, psycopg2, SQLAlchemy (over psycopg or psycopg2) and
+Django (over either). An adapter
+
+* tells whether the connection can take the job *in a transaction* (:meth:`Adapter.check`):
+  it is open, its transaction is not aborted, and it is not in autocommit mode outside an
+  explicit transaction (where the job would be committed on its own);
+* runs one statement and returns its rows as tuples (:meth:`Adapter.run`), translating the
+  driver's errors that have a clearer meaning (by SQLSTATE, never by message text).
+
+An adapter never commits, rolls back or closes the caller's connection, and never opens one.
+Only the driver modules the caller already imported are looked at: nothing here imports
+psycopg2, SQLAlchemy or Django.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import psycopg
+from psycopg import pq, sql
+from psycopg.rows import tuple_row
+
+from . import exceptions
+
+Rows = list[tuple[Any, ...]]
+#: a statement as psycopg 3 takes it
+Query = sql.SQL | sql.Composed
+
+# libpq's PGTransactionStatusType; psycopg2's TRANSACTION_STATUS_* constants have the same values.
+_IDLE = int(pq.TransactionStatus.IDLE)
+_INERROR = int(pq.TransactionStatus.INERROR)
+_UNKNOWN = int(pq.TransactionStatus.UNKNOWN)
+
+_IN_FAILED_SQL_TRANSACTION = "25P02"
+
+
+def quote_ident(name: str) -> str:
+    """``name`` as a PostgreSQL quoted identifier: in double quotes, inner double quotes doubled.
+
+    For drivers other than psycopg 3, which quotes with :class:`psycopg.sql.Identifier`.
+    """
+    if not name or "\x00" in name:
+        raise exceptions.ConfigurationError(f"invalid identifier {name!r}")
+    return '"' + name.replace('"', '""') + '"'
+
+
+def pyformat_text(template: str, schema: str) -> str:
+    """A ``queries.sql`` block with the schema quoted in, for drivers that take ``%(name)s``.
+
+    The blocks use the ``str.format`` syntax that :meth:`psycopg.sql.SQL.format` also follows
+    (``{schema}``, ``{{`` for a literal brace), so both render the same statement.
+    """
+    return template.format(schema=quote_ident(schema))
+
+
+class Adapter(ABC):
+    """The caller's connection, seen by kombu-pgskip."""
+
+    #: the driver family, for messages
+    driver: ClassVar[str]
+
+    @abstractmethod
+    def check(self) -> None:
+        """Raise unless a statement run now lands in a transaction the caller will end.
+
+        :class:`~kombu_pgskip.exceptions.ConnectionClosed`,
+        :class:`~kombu_pgskip.exceptions.TransactionAborted` or
+        :class:`~kombu_pgskip.exceptions.ConnectionInAutocommit`.
+        """
+
+    @abstractmethod
+    def identity(self) -> object | None:
+        """The driver's connection object (one server session), or ``None`` if unknown yet."""
+
+    @abstractmethod
+    def _execute(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
+        """Run the statement (``query`` for psycopg 3, ``text`` for pyformat drivers)."""
+
+    def run(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
+        """Run one statement on the caller's connection and return its rows as tuples."""
+        try:
+            return self._execute(query, text, params)
+        except exceptions.PgSkipError:
+            raise
+        except Exception as exc:
+            translated = translate_driver_error(exc)
+            if translated is None:
+                raise
+            raise translated from exc
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}>"
+
+
+def _check_status(status: int, autocommit: bool, driver: str) -> None:
+    """The rule shared by psycopg 3 and psycopg2 (same libpq status values).
+
+    Not in autocommit mode, an idle connection is fine: the driver opens a transaction with the
+    first statement, which the caller commits or rolls back. In autocommit mode only an explicit
+    transaction block (psycopg's ``conn.transaction()``, a ``BEGIN``) makes the write wait for
+    the caller's commit.
+    """
+    if status == _UNKNOWN:
+        raise exceptions.ConnectionClosed(
+            f"the {driver} connection is broken (transaction status unknown): "
+            "open a new connection and a new transaction"
+        )
+    if status == _INERROR:
+        raise exceptions.TransactionAborted()
+    if autocommit and status == _IDLE:
+        raise exceptions.ConnectionInAutocommit()
+
+
+def _check_driver_connection(raw: Any, driver: str) -> None:
+    """:func:`_check_status` for a raw psycopg 3 or psycopg2 connection."""
+    if isinstance(raw, psycopg.Connection):
+        if raw.closed:
+            raise exceptions.ConnectionClosed()
+        _check_status(int(raw.info.transaction_status), raw.autocommit, driver)
+        return
+    if _is_psycopg2_connection(raw):
+        if raw.closed:
+            raise exceptions.ConnectionClosed()
+        _check_status(int(raw.get_transaction_status()), bool(raw.autocommit), driver)
+
+
+def _is_psycopg2_connection(obj: object) -> bool:
+    ext = sys.modules.get("psycopg2.extensions")
+    return ext is not None and isinstance(obj, ext.connection)
+
+
+def _psycopg2_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    # psycopg2 adapts lists (to arrays), datetimes and None itself, but not UUIDs unless the
+    # application registered an adapter; the statements cast them (``::uuid``) anyway.
+    def plain(value: Any) -> Any:
+        if isinstance(value, uuid.UUID):
+            return str(value)
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    return {k: plain(v) for k, v in params.items()}
+
+
+class PsycopgAdapter(Adapter):
+    """A psycopg 3 connection (a cursor is accepted and its connection used)."""
+
+    driver = "psycopg"
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+
+    def check(self) -> None:
+        _check_driver_connection(self.conn, self.driver)
+
+    def identity(self) -> object:
+        return self.conn
+
+    def _execute(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
+        # A plain cursor whatever the connection's cursor_factory (a RawCursor would not take
+        # %(name)s) or row_factory (we want tuples).
+        with psycopg.Cursor(self.conn, row_factory=tuple_row) as cur:
+            cur.execute(query, params)
+            return cur.fetchall() if cur.description is not None else []
+
+
+class Psycopg2Adapter(Adapter):
+    """A psycopg2 connection (a cursor is accepted and its connection used)."""
+
+    driver = "psycopg2"
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def check(self) -> None:
+        _check_driver_connection(self.conn, self.driver)
+
+    def identity(self) -> object:
+        return self.conn
+
+    def _execute(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
+        ext = sys.modules["psycopg2.extensions"]
+        # The plain cursor class, whatever cursor_factory the connection has (a RealDictCursor
+        # would return dicts). ``with cursor`` closes the cursor only; it does not commit.
+        with self.conn.cursor(cursor_factory=ext.cursor) as cur:
+            cur.execute(text, _psycopg2_params(params))
+            return [tuple(r) for r in cur.fetchall()] if cur.description is not None else []
+
+
+class SQLAlchemyAdapter(Adapter):
+    """A SQLAlchemy 2 ``Connection`` (a ``Session`` is accepted: its ``connection()`` is used).
+
+    Statements go through ``Connection.exec_driver_sql``, so SQLAlchemy knows about them: it
+    begins its transaction if it had not yet ("autobegin"), and a later ``commit()`` commits
+    the job with everything else.
+    """
+
+    driver = "SQLAlchemy"
+    _DRIVERS: ClassVar[frozenset[str]] = frozenset({"psycopg", "psycopg2"})
+
+    def __init__(self, conn: Any) -> None:
+        dialect = conn.dialect
+        if dialect.name != "postgresql" or dialect.driver not in self._DRIVERS:
+            raise exceptions.NotAConnection(
+                f"SQLAlchemy connection to {dialect.name}+{dialect.driver}: apply_async_in "
+                "supports PostgreSQL through psycopg (postgresql+psycopg://) or psycopg2 "
+                "(postgresql+psycopg2://)"
+            )
+        self.conn = conn
+        self._pg2 = dialect.driver == "psycopg2"
+
+    @classmethod
+    def from_session(cls, session: Any) -> SQLAlchemyAdapter:
+        try:
+            # Begins the session's transaction if it had not yet, as a query would.
+            conn = session.connection()
+        except Exception as exc:
+            _raise_sqlalchemy_state_error(exc)
+            raise
+        return cls(conn)
+
+    def check(self) -> None:
+        conn = self.conn
+        if conn.closed or conn.invalidated:
+            raise exceptions.ConnectionClosed()
+        trans = conn.get_transaction()
+        if trans is not None and not trans.is_active:
+            # An inner block failed; SQLAlchemy refuses statements until it is rolled back.
+            raise exceptions.TransactionAborted()
+        _check_driver_connection(self.identity(), self.driver)
+
+    def identity(self) -> object:
+        return self.conn.connection.dbapi_connection
+
+    def _execute(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
+        args = _psycopg2_params(params) if self._pg2 else dict(params)
+        result = self.conn.exec_driver_sql(text, args)
+        return [tuple(r) for r in result.fetchall()] if result.returns_rows else []
+
+
+def _raise_sqlalchemy_state_error(exc: BaseException) -> None:
+    """Translate SQLAlchemy's "the transaction must be rolled back first" and "closed" errors."""
+    sa_exc = sys.modules.get("sqlalchemy.exc")
+    if sa_exc is None:
+        return
+    if isinstance(exc, sa_exc.PendingRollbackError):
+        raise exceptions.TransactionAborted() from exc
+    if isinstance(exc, sa_exc.ResourceClosedError):
+        raise exceptions.ConnectionClosed() from exc
+
+
+class DjangoAdapter(Adapter):
+    """Django's ``connection`` (or ``connections[alias]``) on the PostgreSQL backend.
+
+    The job must be written inside ``transaction.atomic()`` (or with autocommit turned off):
+    in Django's default autocommit mode every statement commits on its own.
+    """
+
+    driver = "Django"
+
+    def __init__(self, connection: Any) -> None:
+        if getattr(connection, "vendor", None) != "postgresql":
+            raise exceptions.NotAConnection(
+                f"Django database {getattr(connection, 'alias', '?')!r} uses the "
+                f"{getattr(connection, 'vendor', '?')} backend: apply_async_in needs PostgreSQL"
+            )
+        self.connection = connection
+        self._pg2 = getattr(connection.Database, "__name__", "") == "psycopg2"
+
+    def check(self) -> None:
+        c = self.connection
+        if c.needs_rollback:
+            raise exceptions.TransactionAborted(
+                f"{exceptions.TransactionAborted.default_message()} (Django: an error occurred "
+                "in the current atomic block; leave it before enqueuing)"
+            )
+        if not c.in_atomic_block and c.get_autocommit():
+            raise exceptions.ConnectionInAutocommit(
+                "Django's connection is in autocommit mode outside transaction.atomic(): the "
+                "job would be committed on its own, whatever your transaction does. Enqueue "
+                "inside `with transaction.atomic():`"
+            )
+        raw = self.identity()
+        if raw is not None:
+            _check_driver_connection(raw, self.driver)
+
+    def identity(self) -> object | None:
+        raw: object | None = self.connection.connection
+        return raw
+
+    def _execute(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
+        args = _psycopg2_params(params) if self._pg2 else dict(params)
+        with self.connection.cursor() as cur:
+            cur.execute(text, args)
+            return [tuple(r) for r in cur.fetchall()] if cur.description is not None else []
+
+
+def _looks_like_django_connection(obj: object) -> bool:
+    # Duck-typed: django.db.connection is a ConnectionProxy that forwards attribute access.
+    return (
+        callable(getattr(obj, "get_autocommit", None))
+        and hasattr(obj, "in_atomic_block")
+        and hasattr(obj, "vendor")
+        and callable(getattr(obj, "cursor", None))
+    )
+
+
+def adapt(obj: object) -> Adapter:
+    """The adapter for the caller's connection object, or :class:`NotAConnection`."""
+    if isinstance(obj, psycopg.Connection):
+        return PsycopgAdapter(obj)
+    if isinstance(obj, psycopg.Cursor):
+        return PsycopgAdapter(obj.connection)
+    if isinstance(obj, (psycopg.AsyncConnection, psycopg.AsyncCursor)):
+        raise exceptions.NotAConnection(
+            "async psycopg connections are not supported by apply_async_in (Celery publishes "
+            "synchronously): use a sync psycopg.Connection"
+        )
+    ext = sys.modules.get("psycopg2.extensions")
+    if ext is not None:
+        if isinstance(obj, ext.connection):
+            return Psycopg2Adapter(obj)
+        if isinstance(obj, ext.cursor):
+            return Psycopg2Adapter(obj.connection)
+    adapter = _sqlalchemy_adapter(obj)
+    if adapter is not None:
+        return adapter
+    if _looks_like_django_connection(obj):
+        return DjangoAdapter(obj)
+    kind = type(obj)
+    raise exceptions.NotAConnection(
+        f"{exceptions.NotAConnection.default_message()} Got {kind.__module__}.{kind.__qualname__}"
+    )
+
+
+def _sqlalchemy_adapter(obj: object) -> Adapter | None:
+    engine = sys.modules.get("sqlalchemy.engine")
+    if engine is None:
+        return None
+    if isinstance(obj, engine.Connection):
+        return SQLAlchemyAdapter(obj)
+    orm = sys.modules.get("sqlalchemy.orm")
+    if orm is not None:
+        if isinstance(obj, orm.scoped_session):
+            obj = obj()  # the session of the current scope
+        if isinstance(obj, orm.Session):
+            return SQLAlchemyAdapter.from_session(obj)
+    if isinstance(obj, engine.Engine):
+        raise exceptions.NotAConnection(
+            "a SQLAlchemy Engine is not a connection: pass the Connection of your transaction "
+            "(`with engine.begin() as conn: apply_async_in(conn, ...)`) or a Session"
+        )
+    asyncio_ext = sys.modules.get("sqlalchemy.ext.asyncio")
+    if asyncio_ext is not None and isinstance(
+        obj, (asyncio_ext.AsyncConnection, asyncio_ext.AsyncSession)
+    ):
+        raise exceptions.NotAConnection(
+            "async SQLAlchemy connections are not supported by apply_async_in (Celery "
+            "publishes synchronously): use a sync Connection or Session"
+        )
+    return None
+
+
+class _Coded(Exception):
+    """A stand-in carrying only a SQLSTATE, for :func:`exceptions.translate`."""
+
+    def __init__(self, sqlstate: str) -> None:
+        super().__init__(sqlstate)
+        self.sqlstate = sqlstate
+
+
+def sqlstate_of(exc: BaseException) -> str | None:
+    """The SQLSTATE of a driver error, through SQLAlchemy's ``.orig`` and Django's chaining."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        code = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if isinstance(code, str):
+            return code
+        orig = getattr(current, "orig", None)
+        current = orig if isinstance(orig, BaseException) else current.__cause__
+    return None
+
+
+def translate_driver_error(exc: BaseException) -> exceptions.PgSkipError | None:
+    """The kombu-pgskip error for any driver's error, by SQLSTATE; ``None`` to re-raise as is."""
+    code = sqlstate_of(exc)
+    if code is None:
+        return None
+    if code == _IN_FAILED_SQL_TRANSACTION:
+        return exceptions.TransactionAborted()
+    translated = exceptions.translate(_Coded(code))
+    return translated if isinstance(translated, exceptions.PgSkipError) else None
+
+
+__all__ = [
+    "Adapter",
+    "DjangoAdapter",
+    "Psycopg2Adapter",
+    "PsycopgAdapter",
+    "Query",
+    "SQLAlchemyAdapter",
+    "adapt",
+    "pyformat_text",
+    "quote_ident",
+    "sqlstate_of",
+    "translate_driver_error",
+]
