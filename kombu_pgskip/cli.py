@@ -8,6 +8,7 @@ CLI process (worker, inspect, events, purge, flower).
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -126,3 +127,443 @@ def migrate_cmd(ctx: click.Context, dry_run: bool, schema: str | None) -> None:
 def status_cmd(ctx: click.Context, schema: str | None) -> None:
     """A table per queue: pending, running, scheduled, failed, oldest pending, done per minute."""
     do_status(_target(ctx, schema))
+
+
+# -- periodic tasks, pg_cron maintenance, failed messages --------------------------------------
+# (kombu_pgskip.periodic, kombu_pgskip.maintenance; shared with ``python -m kombu_pgskip``)
+
+
+def _fmt_time(value: Any, tz: Any = None) -> str:
+    if value is None:
+        return "-"
+    if tz is not None:
+        value = value.astimezone(tz)
+    return str(value.isoformat(sep=" ", timespec="seconds"))
+
+
+def _table(headers: tuple[str, ...], rows: Sequence[tuple[str, ...]], empty: str) -> None:
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
+    for row in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    if not rows:
+        click.echo(empty)
+
+
+def do_beat_list(target: Target, cron_database: str | None = None) -> None:
+    from . import cron
+    from .periodic import list_entries
+    from .schedule_spec import zone
+
+    try:
+        entries = list_entries(target.url, target.schema)
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    rows = []
+    for e in entries:
+        tz = zone(e.timezone)
+        rows.append(
+            (
+                e.name,
+                e.task,
+                e.schedule,
+                _fmt_time(e.next_run, tz),
+                _fmt_time(e.last_run, tz),
+                e.last_task_id or "-",
+                e.missed,
+            )
+        )
+    _table(
+        ("entry", "task", "schedule", "next run", "last run", "last message id", "missed"),
+        rows,
+        "(no periodic tasks stored: run `celery -A proj pgskip beat-sync`)",
+    )
+    try:
+        server = cron.locate(target.url, cron_database)
+        prefix = cron.job_prefix(server.app_database, target.schema)
+        with cron.cron_session(target.url, server) as conn:
+            jobs = cron.list_jobs(conn, prefix)
+            runs = cron.last_runs(conn, prefix)
+    except exceptions.PgSkipError as exc:
+        click.echo(f"\npg_cron: {exc}")
+        return
+    click.echo("")
+    _table(
+        ("pg_cron job", "schedule", "database", "active", "last run", "status"),
+        [
+            (
+                j.name,
+                j.schedule,
+                j.database,
+                "yes" if j.active else "no",
+                _fmt_time(runs[j.name][1]) if j.name in runs else "-",
+                (
+                    runs[j.name][0]
+                    + (
+                        f" ({runs[j.name][2]})"
+                        if runs[j.name][0] != "succeeded" and runs[j.name][2]
+                        else ""
+                    )
+                )
+                if j.name in runs
+                else "-",
+            )
+            for j in jobs
+        ],
+        f"(no pg_cron jobs for this schema; pg_cron {server.version} in database "
+        f"{server.cron_database!r})",
+    )
+
+
+def do_tick(target: Target, maintenance_config: Any) -> None:
+    from .maintenance import run_once
+    from .periodic import fire_due
+
+    try:
+        fired = fire_due(target.url, target.schema)
+        done = run_once(target.url, target.schema, maintenance_config)
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    click.echo(f"fired {fired} periodic slots; " + ", ".join(f"{k} {v}" for k, v in done.items()))
+
+
+def do_maintenance(
+    target: Target, config: Any, remove: bool, cron_database: str | None = None
+) -> None:
+    from .maintenance import install
+
+    try:
+        changes = install(
+            target.url, target.schema, config, remove=remove, cron_database=cron_database
+        )
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    for line in changes:
+        click.echo(line)
+    if not changes:
+        click.echo("maintenance jobs up to date")
+
+
+def do_cron_remove(target: Target, cron_database: str | None = None) -> None:
+    from .maintenance import remove_all_jobs
+
+    try:
+        changes = remove_all_jobs(target.url, target.schema, cron_database)
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    for line in changes:
+        click.echo(line)
+    if not changes:
+        click.echo("no pg_cron jobs for this schema")
+
+
+def _failed_filter(
+    queue: str | None, task: str | None, older_than: str | None, limit: int | None
+) -> Any:
+    from .maintenance import FailedFilter, parse_duration
+
+    try:
+        age = parse_duration(older_than, "--older-than") if older_than else None
+    except exceptions.PgSkipError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return FailedFilter(queue=queue, task=task, older_than=age, limit=limit)
+
+
+def do_failed(target: Target, filt: Any, full: bool) -> None:
+    from .maintenance import list_failed
+
+    try:
+        failed = list_failed(target.url, target.schema, filt)
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    rows = []
+    for m in failed:
+        error = (m.error or "").strip()
+        if not full:
+            error = error.splitlines()[-1] if error else ""
+            error = error if len(error) <= 100 else error[:97] + "..."
+        rows.append(
+            (
+                str(m.id),
+                m.queue,
+                m.task_name or "-",
+                m.task_id or "-",
+                str(m.attempts),
+                _fmt_time(m.failed_at),
+                error,
+            )
+        )
+    _table(
+        ("id", "queue", "task", "task id", "attempts", "failed at", "error"),
+        rows,
+        "(no failed messages)",
+    )
+
+
+def do_retry_failed(target: Target, filt: Any) -> None:
+    from .maintenance import retry_failed
+
+    try:
+        count = retry_failed(target.url, target.schema, filt)
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    click.echo(f"{count} failed messages returned to pending")
+
+
+def do_purge_failed(target: Target, filt: Any) -> None:
+    from .maintenance import purge_failed
+
+    try:
+        count = purge_failed(target.url, target.schema, filt)
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    click.echo(f"{count} failed messages deleted")
+
+
+def failed_filters(func: Any) -> Any:
+    """The --queue/--task/--older-than/--limit options of the failed-message commands."""
+    func = click.option(
+        "--limit",
+        type=click.IntRange(min=1),
+        default=None,
+        help="At most this many messages (oldest failures first).",
+    )(func)
+    func = click.option(
+        "--older-than",
+        default=None,
+        help="Only messages that failed longer ago than this (30s, 15m, 2h, 7d).",
+    )(func)
+    func = click.option(
+        "--task", default=None, help="Only this task name; * matches any characters."
+    )(func)
+    func = click.option("--queue", default=None, help="Only this queue.")(func)
+    return func
+
+
+def maintenance_options(func: Any) -> Any:
+    """The options that override ``app.conf.pgskip_maintenance``."""
+    for name, help_text in reversed(
+        (
+            ("--sweep-schedule", "pg_cron schedule of the sweeper (default every minute)."),
+            ("--max-attempts", "Deliveries before a dead consumer's message goes to failed (20)."),
+            ("--prune-schedule", "pg_cron schedule of the pruning job (default hourly)."),
+            ("--completed-retention", "Keep completed messages this long (1d; 'never')."),
+            ("--failed-retention", "Keep failed messages this long (14d; 'never' keeps them)."),
+            ("--cron-history-schedule", "pg_cron schedule of the cron.job_run_details pruning."),
+            ("--cron-history-retention", "Keep cron.job_run_details rows this long (7d)."),
+        )
+    ):
+        func = click.option(name, default=None, help=help_text)(func)
+    return func
+
+
+cron_database_option = click.option(
+    "--cron-database",
+    envvar="PGSKIP_CRON_DATABASE",
+    default=None,
+    help="Database holding pg_cron (cron.database_name); found by itself for superusers, "
+    "else 'postgres' and the app's database are tried.",
+)
+
+
+def _maintenance_config(app: Any, options: dict[str, Any]) -> Any:
+    from .maintenance import MaintenanceConfig
+
+    overrides = {k: v for k, v in options.items() if v is not None}
+    try:
+        if app is None:
+            return MaintenanceConfig.build(overrides)
+        return MaintenanceConfig.from_app(app, **overrides)
+    except exceptions.PgSkipError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _app(ctx: click.Context) -> Any:
+    app = getattr(ctx.find_root().obj, "app", None)
+    if app is None:
+        raise click.UsageError("no Celery app: run as `celery -A proj pgskip ...`")
+    return app
+
+
+@pgskip.command(name="beat-sync")
+@click.option("--dry-run", is_flag=True, help="Show what would change; change nothing.")
+@click.option(
+    "--no-cron",
+    is_flag=True,
+    help="Only store the schedule (fire it with `pgskip tick` from elsewhere).",
+)
+@click.option("--no-maintenance", is_flag=True, help="Do not install the maintenance jobs.")
+@click.option(
+    "--missed",
+    type=click.Choice(["latest", "all", "skip"]),
+    default=None,
+    help="Policy for slots missed while the database was down (default: "
+    "app.conf.pgskip_beat_missed or 'latest').",
+)
+@click.option(
+    "--grace",
+    type=float,
+    default=None,
+    help="Seconds a slot may be late and still fire normally (default 120).",
+)
+@maintenance_options
+@cron_database_option
+@_schema_option
+@click.pass_context
+def beat_sync_cmd(
+    ctx: click.Context,
+    /,
+    dry_run: bool,
+    no_cron: bool,
+    no_maintenance: bool,
+    missed: str | None,
+    grace: float | None,
+    cron_database: str | None,
+    schema: str | None,
+    **maintenance: Any,
+) -> None:
+    """Store app.conf.beat_schedule in the database and install the pg_cron job that fires it."""
+    from .periodic import beat_sync, default_policy
+
+    app = _app(ctx)
+    target = _target(ctx, schema)
+    config = _maintenance_config(app, maintenance)
+    try:
+        result = beat_sync(
+            app,
+            target.url,
+            target.schema,
+            dry_run=dry_run,
+            use_cron=not no_cron,
+            policy=default_policy(app, missed=missed, grace=grace),
+            cron_database=cron_database,
+        )
+        maintenance_changes: list[str] = []
+        if not no_cron and not no_maintenance and not dry_run:
+            from .maintenance import install
+
+            maintenance_changes = install(
+                target.url, target.schema, config, cron_database=cron_database
+            )
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    for change in result.changes:
+        click.echo(str(change))
+    if not result.changes:
+        click.echo("(beat_schedule is empty)")
+    for line in [*result.cron_changes, *maintenance_changes]:
+        click.echo(line)
+    changed = result.changed or bool(maintenance_changes)
+    if dry_run:
+        click.echo("dry run: nothing was changed")
+    elif not changed:
+        click.echo("no changes")
+
+
+@pgskip.command(name="beat-list")
+@cron_database_option
+@_schema_option
+@click.pass_context
+def beat_list_cmd(ctx: click.Context, cron_database: str | None, schema: str | None) -> None:
+    """Stored periodic tasks: schedule, next run, last run, last message id; pg_cron jobs."""
+    do_beat_list(_target(ctx, schema), cron_database)
+
+
+@pgskip.command(name="tick")
+@maintenance_options
+@_schema_option
+@click.pass_context
+def tick_cmd(ctx: click.Context, /, schema: str | None, **maintenance: Any) -> None:
+    """Fire due periodic tasks and run maintenance once (the fallback without pg_cron)."""
+    do_tick(_target(ctx, schema), _maintenance_config(_app(ctx), maintenance))
+
+
+@pgskip.command(name="maintenance")
+@click.option("--remove", is_flag=True, help="Unschedule the maintenance jobs.")
+@maintenance_options
+@cron_database_option
+@_schema_option
+@click.pass_context
+def maintenance_cmd(
+    ctx: click.Context,
+    /,
+    remove: bool,
+    cron_database: str | None,
+    schema: str | None,
+    **maintenance: Any,
+) -> None:
+    """Install or update the pg_cron maintenance jobs (sweeper, pruning)."""
+    config = _maintenance_config(_app(ctx), maintenance)
+    do_maintenance(_target(ctx, schema), config, remove, cron_database)
+
+
+@pgskip.command(name="cron-remove")
+@cron_database_option
+@_schema_option
+@click.pass_context
+def cron_remove_cmd(ctx: click.Context, cron_database: str | None, schema: str | None) -> None:
+    """Unschedule every pg_cron job of this database and schema (stored entries stay)."""
+    do_cron_remove(_target(ctx, schema), cron_database)
+
+
+@pgskip.command(name="failed")
+@failed_filters
+@click.option("--full", is_flag=True, help="Print whole error texts.")
+@_schema_option
+@click.pass_context
+def failed_cmd(
+    ctx: click.Context,
+    queue: str | None,
+    task: str | None,
+    older_than: str | None,
+    limit: int | None,
+    full: bool,
+    schema: str | None,
+) -> None:
+    """List failed messages (dead letters) with their errors."""
+    do_failed(_target(ctx, schema), _failed_filter(queue, task, older_than, limit or 100), full)
+
+
+@pgskip.command(name="retry-failed")
+@failed_filters
+@_schema_option
+@click.pass_context
+def retry_failed_cmd(
+    ctx: click.Context,
+    queue: str | None,
+    task: str | None,
+    older_than: str | None,
+    limit: int | None,
+    schema: str | None,
+) -> None:
+    """Return failed messages to their queues (fresh attempt count)."""
+    do_retry_failed(_target(ctx, schema), _failed_filter(queue, task, older_than, limit))
+
+
+@pgskip.command(name="purge-failed")
+@failed_filters
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@_schema_option
+@click.pass_context
+def purge_failed_cmd(
+    ctx: click.Context,
+    queue: str | None,
+    task: str | None,
+    older_than: str | None,
+    limit: int | None,
+    yes: bool,
+    schema: str | None,
+) -> None:
+    """Delete failed messages."""
+    target = _target(ctx, schema)
+    if not yes:
+        click.confirm("Delete the matching failed messages?", abort=True)
+    do_purge_failed(target, _failed_filter(queue, task, older_than, limit))
