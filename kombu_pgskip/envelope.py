@@ -67,6 +67,12 @@ def _priority(message: dict[str, Any], max_priority: int = 9) -> int:
 
 
 def _ttl_ms(message: dict[str, Any]) -> int | None:
+    headers = message.get("headers") or {}
+    if headers.get("task") is not None and headers.get("id") is not None:
+        # A Celery task message (protocol 2): Celery turns ``expires`` into an ``expiration``
+        # property too, but its workers expect to receive the expired message and mark the
+        # task REVOKED (as they do with Redis), so the task is not left PENDING forever.
+        return None
     expiration = message.get("properties", {}).get("expiration")
     if expiration in (None, ""):
         return None
@@ -90,11 +96,53 @@ def to_row(
     ``scheduled`` with ``run_at`` = eta: it waits in the database, not in a worker's memory.
     """
     validate_queue_name(queue)
+    return _row(
+        queue,
+        f"queue {queue!r}",
+        message,
+        eta_threshold=eta_threshold,
+        max_message_size=max_message_size,
+        now=now,
+    )
+
+
+def to_routed_row(
+    exchange: str,
+    message: dict[str, Any],
+    *,
+    eta_threshold: float,
+    max_message_size: int,
+    now: datetime | None = None,
+) -> NewMessage:
+    """The row for ``message`` published to ``exchange``; the database picks the queues.
+
+    Its ``queue`` is empty: :meth:`~kombu_pgskip.store.Store.publish_routed` inserts one copy
+    per queue the exchange routes the message to.
+    """
+    return _row(
+        "",
+        f"exchange {exchange!r}",
+        message,
+        eta_threshold=eta_threshold,
+        max_message_size=max_message_size,
+        now=now,
+    )
+
+
+def _row(
+    queue: str,
+    destination: str,
+    message: dict[str, Any],
+    *,
+    eta_threshold: float,
+    max_message_size: int,
+    now: datetime | None,
+) -> NewMessage:
     headers = message.get("headers") or {}
-    payload = dumps(message)
+    payload = _encode(message)
     if len(payload) > max_message_size:
         raise exceptions.MessageTooLarge(
-            f"message of {len(payload)} bytes for queue {queue!r} exceeds max_message_size "
+            f"message of {len(payload)} bytes for {destination} exceeds max_message_size "
             f"({max_message_size} bytes): pass large data by reference (a row id, an object "
             "store key) or raise the max_message_size transport option"
         )
@@ -122,6 +170,30 @@ def to_row(
         task_id=str(task_id) if task_id is not None else None,
         ttl_ms=_ttl_ms(message),
     )
+
+
+def _encode(message: dict[str, Any]) -> str:
+    """The message as JSON.
+
+    Custom properties (``Producer.publish(..., anything=value)``) are kept when they are JSON
+    values; one that is not (an object passed along by mistake) is dropped, as an AMQP broker
+    drops every property it does not know, instead of failing the publish. Headers and body
+    must encode.
+    """
+    try:
+        return str(dumps(message))
+    except TypeError:
+        properties = message.get("properties")
+        if not isinstance(properties, dict):
+            raise
+        kept: dict[str, Any] = {}
+        for key, value in properties.items():
+            try:
+                dumps(value)
+            except TypeError:
+                continue
+            kept[key] = value
+        return str(dumps({**message, "properties": kept}))
 
 
 def make_tag(row_id: int, attempts: int) -> str:

@@ -166,6 +166,87 @@ class Store:
     def publish(self, message: NewMessage) -> int:
         return int(self.execute("publish", message.params())[0][0])
 
+    def publish_routed(
+        self, message: NewMessage, *, exchange: str, routing_key: str, queues: Sequence[str]
+    ) -> list[str]:
+        """Insert ``message`` into every live queue ``exchange`` routes ``routing_key`` to.
+
+        The targets are the bindings stored by every process (fanout: all of them; topic: the
+        ones whose pattern matches; direct: equal routing key) plus ``queues`` (the ones this
+        process bound in memory), minus queues whose ``x-expires`` ran out. One statement, so
+        one round trip whatever the number of targets. Returns the queues written to.
+        """
+        params = message.params()
+        params.update(exchange=exchange, routing_key=routing_key, queues=list(queues))
+        return [r[0] for r in self.execute("publish_routed", params)]
+
+    def route(self, exchange: str, routing_key: str) -> list[str]:
+        """The live queues bound in the database that ``exchange`` routes ``routing_key`` to."""
+        rows = self.execute("route", {"exchange": exchange, "routing_key": routing_key})
+        return [r[0] for r in rows]
+
+    # -- exchanges and bindings --------------------------------------------------------------------
+
+    def declare_exchange(
+        self,
+        name: str,
+        type: str,
+        *,
+        durable: bool = True,
+        auto_delete: bool = False,
+        arguments: dict[str, Any] | None = None,
+    ) -> None:
+        self.execute(
+            "declare_exchange",
+            {
+                "name": name,
+                "type": type,
+                "durable": durable,
+                "auto_delete": auto_delete,
+                "arguments": json.dumps(arguments or {}, default=str),
+            },
+        )
+
+    def exchange_type(self, name: str) -> str | None:
+        """The declared type of ``name``, or ``None`` when no process declared it."""
+        rows = self.execute("exchange_type", {"name": name})
+        return str(rows[0][0]) if rows else None
+
+    def delete_exchange(self, name: str) -> int:
+        return int(self.execute("delete_exchange", {"name": name})[0][0])
+
+    def bind(
+        self,
+        queue: str,
+        exchange: str,
+        routing_key: str,
+        *,
+        type: str,
+        pattern: str | None = None,
+        arguments: dict[str, Any] | None = None,
+    ) -> None:
+        """Bind ``queue`` to ``exchange`` (rows for either are created if missing)."""
+        self.execute(
+            "bind",
+            {
+                "queue": queue,
+                "exchange": exchange,
+                "routing_key": routing_key or "",
+                "type": type,
+                "pattern": pattern,
+                "arguments": json.dumps(arguments or {}, default=str),
+            },
+        )
+
+    def unbind(self, queue: str, exchange: str, routing_key: str) -> None:
+        self.execute(
+            "unbind", {"queue": queue, "exchange": exchange, "routing_key": routing_key or ""}
+        )
+
+    def exchange_table(self, exchange: str) -> list[tuple[str, str | None, str]]:
+        """Every binding of ``exchange`` as kombu's (routing_key, pattern, queue) triples."""
+        return [(r[0], r[1], r[2]) for r in self.execute("exchange_table", {"exchange": exchange})]
+
     # -- consuming -------------------------------------------------------------------------------
 
     def fetch(
@@ -255,6 +336,11 @@ class Store:
         """Delete waiting messages whose TTL ran out; returns how many."""
         return int(self.execute("drop_expired", {})[0][0])
 
+    def expire_queues(self) -> tuple[int, int]:
+        """Delete queues whose ``x-expires`` ran out unused; returns (queues, messages)."""
+        row = self.execute("expire_queues", {})[0]
+        return int(row[0]), int(row[1])
+
     def promote_scheduled(self, limit: int = 10_000) -> tuple[int, float | None]:
         """Make due far-future messages pending; returns (promoted, seconds until the next)."""
         row = self.execute("promote_scheduled", {"limit": limit, "channel": self.channel})[0]
@@ -294,7 +380,18 @@ class Store:
         return bool(self.execute("has_queue", {"name": name})[0][0])
 
     def delete_queue(self, name: str) -> int:
+        """Drop a queue, its waiting messages and its bindings; returns the messages dropped."""
         return int(self.execute("delete_queue", {"name": name})[0][0])
+
+    def delete_unused_queues(self, names: Sequence[str], consumer: uuid.UUID) -> tuple[int, int]:
+        """Drop the ``auto_delete`` queues among ``names`` that no other live consumer consumes.
+
+        Returns (queues, messages) deleted.
+        """
+        if not names:
+            return 0, 0
+        row = self.execute("delete_unused_queues", {"names": list(names), "consumer": consumer})[0]
+        return int(row[0]), int(row[1])
 
     def queue_stats(self) -> list[dict[str, Any]]:
         cols = (

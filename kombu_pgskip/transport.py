@@ -3,7 +3,10 @@
 Features
 ========
 * Type: virtual
-* Supports direct and topic exchanges (bindings kept per process, as kombu's virtual transports do)
+* Supports direct, topic and fanout exchanges, with exchanges and bindings stored in the database
+  so that every process routes through the bindings of every other (Celery remote control and
+  events, Flower)
+* Supports queue expiry (``x-expires``), auto-delete queues and no-ack consumption
 * Supports priority 0-9 (9 first, AMQP order), clamped to a queue's ``x-max-priority``
 * Supports TTL (``expiration`` / ``x-message-ttl``)
 * Supports at-least-once delivery: a message leaves the table only when acknowledged
@@ -34,6 +37,20 @@ worker's sweeper (every ``sweep_interval``) puts its rows back to ``pending``. A
 (consumer, delivery number): an ack from a consumer that lost its lease changes nothing.
 
 Workers wake at commit through LISTEN/NOTIFY, with a poll every ``polling_interval`` as fallback.
+The transport is asynchronous: a Celery worker runs its event loop (the LISTEN socket and a
+self-pipe woken by acks are watched by kombu's hub), so it keeps answering remote control and
+sending heartbeats while every prefork process is busy.
+
+Routing
+=======
+Exchanges and bindings are rows (``exchanges``, ``bindings``), so a message published in one
+process reaches queues bound in another: a publish to a named exchange is one statement that
+finds the bound queues (direct: equal routing key; topic: pattern match; fanout: all) and inserts
+a row into each. Queues declared with ``x-expires`` are deleted, with their messages and
+bindings, once no live consumer used them for that long (live workers' sweepers, or pg_cron,
+call ``<schema>.expire_queues()``), and no publish writes to them after that; ``auto_delete``
+queues go when their last consumer cancels. No-ack consumers take rows with
+``DELETE ... RETURNING``. See docs/celery-compatibility.md.
 
 Transport options
 =================
@@ -71,10 +88,12 @@ from queue import Empty
 from typing import Any
 
 import psycopg
+from kombu.exceptions import ChannelError
 from kombu.transport import virtual
+from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from . import exceptions
-from .envelope import parse_tag, to_message, to_row, validate_queue_name
+from .envelope import parse_tag, to_message, to_routed_row, to_row, validate_queue_name
 from .store import FetchedRow, Store, notify_channel, scheduled_channel
 from .urls import build_url, connect, mask_url, to_conninfo
 
@@ -180,10 +199,19 @@ class QoS(virtual.QoS):
 
 
 class Channel(virtual.Channel):
-    """A kombu channel over the transport's shared connection."""
+    """A kombu channel over the transport's shared connection.
+
+    Exchanges and bindings are stored in the database as well as in kombu's per-process
+    ``BrokerState``, and routing reads them, so a message published in one process reaches the
+    queues another process bound: Celery's remote control (fanout ``celery.pidbox``, replies on
+    a direct exchange to a queue only the caller declared) and events (topic ``celeryev``).
+    """
 
     QoS = QoS
     connection: Transport
+
+    #: kombu calls :meth:`_queue_bind` for every binding (the bindings are shared state).
+    supports_fanout = True
 
     def __init__(self, connection: Transport, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
@@ -191,6 +219,8 @@ class Channel(virtual.Channel):
         self.consumer_id = uuid.uuid4()
         self._registered = False
         self._no_ack_queues: set[str] = set()
+        # Queues this channel declared with auto_delete: dropped when it stops consuming them.
+        self._auto_delete_queues: set[str] = set()
         # Fail early, on the connection attempt, if the server or the schema is unusable.
         self.store.connect()
 
@@ -235,15 +265,223 @@ class Channel(virtual.Channel):
         self.store.delete_queue(validate_queue_name(queue))
 
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        auto_delete = bool(kwargs.get("auto_delete", False))
         self.store.declare_queue(
             validate_queue_name(queue),
             durable=bool(kwargs.get("durable", True)),
-            auto_delete=bool(kwargs.get("auto_delete", False)),
+            auto_delete=auto_delete,
             arguments=kwargs.get("arguments"),
         )
+        if auto_delete:
+            self._auto_delete_queues.add(queue)
+        else:
+            self._auto_delete_queues.discard(queue)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         return self.store.has_queue(validate_queue_name(queue))
+
+    def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> dict[str, Any]:
+        """``Queue(expires=, message_ttl=, max_priority=, ...)`` as ``x-`` arguments, as AMQP."""
+        result: dict[str, Any] = to_rabbitmq_queue_arguments(arguments, **kwargs)
+        return result
+
+    # -- exchanges, bindings and routing ---------------------------------------------------------
+
+    def exchange_declare(
+        self,
+        exchange: str | None = None,
+        type: str = "direct",
+        durable: bool = False,
+        auto_delete: bool = False,
+        arguments: dict[str, Any] | None = None,
+        nowait: bool = False,
+        passive: bool = False,
+    ) -> None:
+        type = type or "direct"
+        exchange = exchange or f"amq.{type}"
+        if passive:
+            if exchange not in self.state.exchanges:
+                stored = self.store.exchange_type(exchange)
+                if stored is None:
+                    raise ChannelError(
+                        f"NOT_FOUND - no exchange {exchange!r}",
+                        (50, 10),
+                        "Channel.exchange_declare",
+                        "404",
+                    )
+                self._remember_exchange(exchange, stored)
+            return
+        super().exchange_declare(
+            exchange, type, durable, auto_delete, arguments, nowait=nowait, passive=False
+        )
+        self.store.declare_exchange(
+            exchange, type, durable=durable, auto_delete=auto_delete, arguments=arguments
+        )
+
+    def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
+        """Delete ``exchange`` and its bindings everywhere; the bound queues stay (as AMQP)."""
+        self.store.delete_exchange(exchange)
+        self.state.exchanges.pop(exchange, None)
+        for key in [k for k in self.state.bindings if k[1] == exchange]:
+            self.state.binding_delete(*key)
+
+    def _remember_exchange(self, exchange: str, type: str) -> None:
+        self.state.exchanges.setdefault(
+            exchange,
+            {"type": type, "durable": True, "auto_delete": False, "arguments": {}, "table": []},
+        )
+
+    def queue_bind(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Bind ``queue`` to ``exchange``, in the database (for every process) and in memory.
+
+        Written to the database even when this process already knows the binding: the queue
+        may have expired or been deleted by another process since.
+        """
+        exchange = exchange or "amq.direct"
+        if exchange not in self.state.exchanges:
+            self._remember_exchange(exchange, self.store.exchange_type(exchange) or "direct")
+        meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
+        key, pattern, target = meta
+        self._store_binding(exchange, key, pattern, target, arguments=arguments)
+        if not self.state.has_binding(queue, exchange, routing_key):
+            self.state.binding_declare(queue, exchange, routing_key, arguments)
+            self.state.exchanges[exchange].setdefault("table", []).append(meta)
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: Any, queue: str) -> None:
+        self._store_binding(exchange, routing_key, pattern, queue)
+
+    def _store_binding(
+        self,
+        exchange: str,
+        routing_key: str,
+        pattern: Any,
+        queue: str,
+        arguments: dict[str, Any] | None = None,
+    ) -> None:
+        self.store.bind(
+            validate_queue_name(queue),
+            exchange,
+            routing_key or "",
+            type=self.typeof(exchange).type,
+            pattern=pattern if isinstance(pattern, str) else None,
+            arguments=arguments,
+        )
+
+    def queue_unbind(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        exchange = exchange or "amq.direct"
+        self.store.unbind(queue, exchange, routing_key or "")
+        if exchange in self.state.exchanges:
+            super().queue_unbind(queue, exchange, routing_key, arguments, **kwargs)
+        else:
+            self.state.binding_delete(queue, exchange, routing_key)
+
+    def queue_delete(
+        self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any
+    ) -> Any:
+        """Delete ``queue`` with its waiting messages and its bindings (of every process)."""
+        validate_queue_name(queue)
+        if if_empty and self._size(queue):
+            return None
+        self.store.delete_queue(queue)
+        self._forget_queue_bindings(queue)
+        self._auto_delete_queues.discard(queue)
+        return None
+
+    def _forget_queue_bindings(self, queue: str) -> None:
+        for exchange, routing_key, args in list(self.state.queue_bindings(queue)):
+            if exchange in self.state.exchanges:
+                meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, args)
+                table = self.state.exchanges[exchange].get("table", [])
+                table[:] = [m for m in table if m != meta]
+        self.state.queue_bindings_delete(queue)
+
+    def get_table(self, exchange: str) -> list[tuple[Any, ...]]:
+        """The bindings of ``exchange``: this process's and every other's (from the database)."""
+        local = list(self.state.exchanges.get(exchange, {}).get("table", []))
+        stored = self.store.exchange_table(exchange)
+        return local + [m for m in stored if m not in local]
+
+    def _local_targets(self, exchange: str, routing_key: str) -> list[str]:
+        """Queues this process bound to ``exchange`` that match (kombu's in-memory routing)."""
+        entry = self.state.exchanges.get(exchange)
+        if not entry or not entry.get("table"):
+            return []
+        found = self.typeof(exchange).lookup(entry["table"], exchange, routing_key, None)
+        return sorted(q for q in found if q)
+
+    def _lookup(self, exchange: str, routing_key: str, default: str | None = None) -> list[str]:
+        """The queues ``exchange`` routes ``routing_key`` to, bound by any process."""
+        if default is None:
+            default = self.deadletter_queue
+        if not exchange:
+            return [routing_key or default]
+        queues = set(self._local_targets(exchange, routing_key))
+        queues.update(self.store.route(exchange, routing_key))
+        if not queues and default is not None:
+            return [default]
+        return sorted(queues)
+
+    def basic_publish(
+        self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any
+    ) -> None:
+        """Publish ``message``: one statement routes it and inserts a row per target queue.
+
+        To the default exchange (``""``) the routing key names the queue. Otherwise the
+        database resolves the bindings of every process (direct, topic and fanout), so no
+        extra round trip is spent on routing and a broadcast writes one row per live bound
+        queue, none for queues whose ``x-expires`` ran out.
+        """
+        self._inplace_augment_message(message, exchange, routing_key)
+        if not exchange:
+            self._put(routing_key, message, **kwargs)
+            return
+        row = to_routed_row(
+            exchange,
+            message,
+            eta_threshold=self.options.eta_threshold,
+            max_message_size=self.options.max_message_size,
+        )
+        written = self.store.publish_routed(
+            row,
+            exchange=exchange,
+            routing_key=routing_key or "",
+            queues=self._local_targets(exchange, routing_key or ""),
+        )
+        if not written and self.deadletter_queue:
+            self._put(self.deadletter_queue, message, **kwargs)
+        elif not written:
+            logger.debug(
+                "message to exchange %r with routing key %r matched no queue; dropped",
+                exchange,
+                routing_key,
+                extra={"action": "unroutable"},
+            )
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        """Take one message; with ``no_ack`` it is deleted as it is taken."""
+        validate_queue_name(queue)
+        self._ensure_registered([queue])
+        rows = self.store.fetch([queue], 1, self.consumer_id, no_ack=no_ack)
+        if not rows:
+            return None
+        message = self.Message(to_message(rows[0]), channel=self)
+        if not no_ack:
+            self.qos.append(message, message.delivery_tag)
+        return message
 
     def basic_consume(
         self,
@@ -261,12 +499,44 @@ class Channel(virtual.Channel):
         self.connection._wakeup_consumers()
         return result
 
+    def basic_qos(
+        self, prefetch_size: int = 0, prefetch_count: int = 0, apply_global: bool = False
+    ) -> None:
+        super().basic_qos(prefetch_size, prefetch_count, apply_global)
+        self._credit_freed()  # a larger prefetch window: fetch more now
+
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
         if queue is not None and queue not in self._active_queues:
             self._no_ack_queues.discard(queue)
+            self._stopped_consuming(queue)
         return result
+
+    def _stopped_consuming(self, queue: str) -> None:
+        """This channel no longer consumes ``queue``: update its lease row; auto-delete."""
+        if not self.owned_by_this_process:
+            return
+        try:
+            if self._registered and not self.closed:  # on close, unregistering follows
+                self.store.register_consumer(
+                    self.consumer_id,
+                    hostname=socket.gethostname(),
+                    queues=list(dict.fromkeys(self._active_queues)),
+                    lease=self.options.lease_seconds,
+                )
+            if queue in self._auto_delete_queues:
+                self._auto_delete_queues.discard(queue)
+                self.store.delete_unused_queues([queue], self.consumer_id)
+                self._forget_queue_bindings(queue)
+        except Exception as exc:
+            # Not lost: an expiring queue expires by itself once its consumer is gone.
+            logger.warning(
+                "could not release queue %r after its consumer was cancelled (%s)",
+                queue,
+                exc,
+                extra={"action": "cancel_cleanup_failed"},
+            )
 
     def close(self) -> None:
         was_closed = self.closed
@@ -357,6 +627,14 @@ class Channel(virtual.Channel):
 PgChannel = Channel  # the name ``Channel`` is shadowed inside Transport's body
 
 
+def _close_quietly(conn: psycopg.Connection[Any]) -> None:
+    """Close ``conn``, ignoring errors (it is already broken)."""
+    try:
+        conn.close()
+    except Exception:
+        logger.debug("error closing a broken connection", exc_info=True)
+
+
 class _Heartbeat(threading.Thread):
     """Renews this process's consumer leases and sweeps dead consumers' rows.
 
@@ -418,6 +696,14 @@ class _Heartbeat(threading.Thread):
             logger.info(
                 "dropped %d messages whose TTL ran out", expired, extra={"action": "expire"}
             )
+        queues, dropped = self.store.expire_queues()
+        if queues:
+            logger.info(
+                "deleted %d queues unused for longer than their x-expires (%d messages)",
+                queues,
+                dropped,
+                extra={"action": "expire_queues"},
+            )
         if requeued or failed or forgotten:
             logger.info(
                 "sweeper: %d messages of dead consumers requeued, %d failed, %d consumers "
@@ -441,8 +727,11 @@ class Transport(virtual.Transport):
     polling_interval = 1.0
 
     implements = virtual.Transport.implements.extend(
-        asynchronous=False,
-        exchange_type=frozenset(["direct", "topic"]),
+        # Celery's worker then runs its event loop (as with Redis and RabbitMQ): the consumer
+        # thread never blocks on a busy prefork pool, so remote control, heartbeats and events
+        # keep flowing while every pool process is busy.
+        asynchronous=True,
+        exchange_type=frozenset(["direct", "topic", "fanout"]),
         heartbeats=False,
     )
 
@@ -469,6 +758,11 @@ class Transport(virtual.Transport):
         # Created when this transport first waits (consumers only).
         self._wake_pair: tuple[socket.socket, socket.socket] | None = None
         self._waiting = False
+        # The kombu event loop (Celery's worker hub) this transport is registered with, the
+        # file descriptors it watches for us, and a drain already queued on it.
+        self._loop: Any = None
+        self._loop_fds: list[int] = []
+        self._drain_queued = False
 
     def __repr__(self) -> str:
         return f"<pgskip Transport {mask_url(self.url)}>"
@@ -519,6 +813,7 @@ class Transport(virtual.Transport):
         if hb is not None and self._pid == os.getpid():
             hb.stop_event.set()
         self._waiting = False
+        self._leave_event_loop()
         pair, self._wake_pair = self._wake_pair, None
         if pair is not None and self._pid == os.getpid():
             for sock in pair:
@@ -548,7 +843,7 @@ class Transport(virtual.Transport):
             return [c for c in self._consumers if c._registered and not c.closed]
 
     def _wakeup_consumers(self) -> None:
-        if self._waiting:
+        if self._waiting or self._loop is not None:
             try:
                 if self._wake_pair is not None:
                     self._wake_pair[1].send(b"!")
@@ -582,10 +877,15 @@ class Transport(virtual.Transport):
                 wait = min(wait, deadline - now)
             self._wait(wait)
 
-    def _deliver_batch(self) -> bool:
+    def _deliver_batch(self, only: set[str] | None = None) -> bool:
+        """Fetch and deliver one batch per consuming channel (those consuming ``only``)."""
         delivered = False
-        for channel in list(self.channels):
+        # Channels with no-ack consumers first: remote control (a revoke, a rate limit) is
+        # handled before task messages published after it, as Celery expects.
+        for channel in sorted(self.channels, key=lambda c: not c._no_ack_queues):
             if channel.closed or not channel._consumers:
+                continue
+            if only is not None and only.isdisjoint(channel._active_queues):
                 continue
             # A callback that raises leaves its message running under this consumer: the
             # channel's restore on close, or the sweeper, returns it to the queue.
@@ -602,24 +902,35 @@ class Transport(virtual.Transport):
         delay = poll * 5 if next_in is None else min(max(next_in, 0.0), poll * 5)
         self._next_promote = now + delay
 
-    def _ensure_listener(self) -> psycopg.Connection[Any] | None:
+    def _ensure_listener(self) -> tuple[psycopg.Connection[Any] | None, bool]:
+        """The LISTEN connection (None in poll-only mode), and whether it was just opened."""
         if not self.options.listen:
-            return None
+            return None, False
         if self._listener is None or self._listener.closed:
             conn = connect(self.url, connect_timeout=self.options.connect_timeout)
             schema = self.options.schema
             for chan in (notify_channel(schema), scheduled_channel(schema)):
                 conn.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(chan)))
             self._listener = conn
-        return self._listener
+            return conn, True
+        return self._listener, False
+
+    def _ensure_wake_pair(self) -> tuple[socket.socket, socket.socket]:
+        if self._wake_pair is None:
+            pair = socket.socketpair()
+            for sock in pair:
+                sock.setblocking(False)
+            self._wake_pair = pair
+        return self._wake_pair
 
     def _wait(self, seconds: float) -> None:
-        listener = self._ensure_listener()
-        if self._wake_pair is None:
-            self._wake_pair = socket.socketpair()
-            for sock in self._wake_pair:
-                sock.setblocking(False)
-        wake = self._wake_pair[0]
+        listener, opened = self._ensure_listener()
+        if opened:
+            # A message that arrived between the last fetch and the LISTEN sent no
+            # notification we could see: fetch once more before sleeping (a `celery inspect`
+            # reply can arrive within milliseconds of the request).
+            return
+        wake = self._ensure_wake_pair()[0]
         fds: list[Any] = [wake] if listener is None else [wake, listener.pgconn.socket]
         end = time.monotonic() + seconds
         wanted = self._consumed_queues()
@@ -653,9 +964,17 @@ class Transport(virtual.Transport):
         self, listener: psycopg.Connection[Any], wanted: set[str], sched: str
     ) -> bool:
         """Consume pending notifications; True if one concerns this worker."""
+        queues, scheduled = self._notified(listener, wanted, sched)
+        return bool(queues) or scheduled
+
+    def _notified(
+        self, listener: psycopg.Connection[Any], wanted: set[str], sched: str
+    ) -> tuple[set[str], bool]:
+        """Consume pending notifications: (wanted queues that got messages, scheduled due)."""
         pgconn = listener.pgconn
         pgconn.consume_input()  # raises OperationalError if the server went away
-        woke = False
+        queues: set[str] = set()
+        scheduled = False
         while (note := pgconn.notifies()) is not None:
             channel = note.relname.decode()
             payload = note.extra.decode()
@@ -665,10 +984,107 @@ class Transport(virtual.Transport):
                 except ValueError:
                     continue
                 self._next_promote = min(self._next_promote, time.monotonic() + due_in)
-                woke = True
+                scheduled = True
             elif payload in wanted:
-                woke = True
-        return woke
+                queues.add(payload)
+        return queues, scheduled
+
+    # -- Celery's event loop (kombu hub) -------------------------------------------------------
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        """Deliver from the worker's event loop instead of blocking ``drain_events`` calls.
+
+        The loop watches the LISTEN connection (a notification for a consumed queue triggers a
+        fetch) and a self-pipe (prefetch credit freed by an ack, a new consumer), and polls
+        every ``polling_interval`` as the fallback; fetches run on the loop's thread.
+        """
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._listener = None
+            self._heartbeat = None
+            self._wake_pair = None
+        self._leave_event_loop()
+        self._loop = loop
+        wake = self._ensure_wake_pair()[0]
+        loop.add_reader(wake.fileno(), self._on_wake_readable)
+        self._loop_fds = [wake.fileno()]
+        listener, _ = self._ensure_listener()
+        if listener is not None:
+            fd = listener.pgconn.socket
+            loop.add_reader(fd, self._on_listener_readable)
+            self._loop_fds.append(fd)
+        loop.call_repeatedly(self.options.polling_interval, self._on_poll_tick)
+        self._queue_drain()
+
+    def unregister_from_event_loop(self, connection: Any, loop: Any) -> None:
+        self._leave_event_loop()
+
+    def _leave_event_loop(self) -> None:
+        loop, self._loop = self._loop, None
+        fds, self._loop_fds = self._loop_fds, []
+        self._drain_queued = False
+        if loop is None or self._pid != os.getpid():
+            return
+        for fd in fds:
+            try:
+                loop.remove(fd)
+            except Exception:
+                logger.debug("could not remove fd %s from the event loop", fd, exc_info=True)
+
+    def _queue_drain(self) -> None:
+        if self._loop is not None and not self._drain_queued:
+            self._drain_queued = True
+            self._loop.call_soon(self._async_drain)
+
+    def _on_wake_readable(self) -> None:
+        pair = self._wake_pair
+        if pair is not None:
+            self._drain_wake_pipe(pair[0])
+        self._async_drain()
+
+    def _on_listener_readable(self) -> None:
+        listener = self._listener
+        if listener is None or self._loop is None:
+            return
+        try:
+            queues, scheduled = self._notified(
+                listener, self._consumed_queues(), scheduled_channel(self.options.schema)
+            )
+        except psycopg.Error:
+            # The server went away: stop watching the dead socket; the error reaches Celery,
+            # which reconnects (and registers this transport with its loop again).
+            self._leave_event_loop()
+            self._listener = None
+            _close_quietly(listener)
+            raise
+        if scheduled:
+            delay = max(0.0, self._next_promote - time.monotonic())
+            self._loop.call_later(delay, self._async_drain)
+        if queues:
+            self._async_drain(queues)
+
+    def _on_poll_tick(self) -> None:
+        if self._loop is not None:
+            self._async_drain()
+
+    def _async_drain(self, only: set[str] | None = None, max_batches: int = 10) -> None:
+        """Promote due messages and deliver, up to ``max_batches`` batches per loop turn."""
+        self._drain_queued = False
+        if self._loop is None:
+            return
+        now = time.monotonic()
+        if now >= self._next_promote:
+            self._promote(now)
+            only = None
+            due_in = self._next_promote - time.monotonic()
+            if due_in < self.options.polling_interval:
+                # Due before the next poll: come back on time.
+                self._loop.call_later(max(0.0, due_in), self._async_drain)
+        for _ in range(max_batches):
+            if not self._deliver_batch(only):
+                return
+            only = None
+        self._queue_drain()  # more to fetch: go on after the loop has served others
 
     def _consumed_queues(self) -> set[str]:
         queues: set[str] = set()

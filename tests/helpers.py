@@ -67,6 +67,7 @@ class CeleryWorker:
         extra_env: dict[str, str] | None = None,
         cwd: str | None = None,
         extra_args: list[str] | None = None,
+        without: tuple[str, ...] = ("gossip", "mingle", "heartbeat"),
     ) -> None:
         self.app_module = app_module
         self.broker_url = broker_url
@@ -77,6 +78,7 @@ class CeleryWorker:
         self.extra_env = dict(extra_env or {})
         self.cwd = cwd or str(REPO_ROOT)
         self.extra_args = list(extra_args or [])
+        self.without = tuple(without)
         fd, path = tempfile.mkstemp(prefix="celery-worker-", suffix=".log")
         os.close(fd)
         self.log_path = path
@@ -93,7 +95,7 @@ class CeleryWorker:
         ]  # fmt: skip
         if self.queues:
             argv += ["-Q", ",".join(self.queues)]
-        argv += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+        argv += [f"--without-{step}" for step in self.without]
         return argv + self.extra_args
 
     @property

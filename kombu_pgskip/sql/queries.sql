@@ -110,15 +110,27 @@ VALUES (%(id)s, %(hostname)s, %(pid)s, %(queues)s, now() + make_interval(secs =>
 ON CONFLICT (id) DO UPDATE
    SET lease_until = EXCLUDED.lease_until, heartbeat_at = now(), queues = EXCLUDED.queues;
 
--- renew_consumers: extend the leases of live consumers; returns the ids still known
-UPDATE {schema}.consumers
-   SET lease_until = now() + make_interval(secs => %(lease)s), heartbeat_at = now()
- WHERE id = ANY(%(ids)s::uuid[])
-RETURNING id;
+-- renew_consumers: extend the leases of live consumers and mark their expiring queues used; returns the ids still known
+WITH c AS (
+    UPDATE {schema}.consumers
+       SET lease_until = now() + make_interval(secs => %(lease)s), heartbeat_at = now()
+     WHERE id = ANY(%(ids)s::uuid[])
+    RETURNING id, queues
+), used AS (
+    UPDATE {schema}.queues SET last_used_at = now()
+     WHERE expires IS NOT NULL AND name IN (SELECT unnest(queues) FROM c)
+    RETURNING 1
+)
+SELECT id FROM c;
 
 -- unregister_consumer: a consumer leaves: what it still holds goes back to pending, its row goes
 WITH c AS (
-    DELETE FROM {schema}.consumers WHERE id = %(id)s RETURNING id
+    DELETE FROM {schema}.consumers WHERE id = %(id)s RETURNING id, queues
+), used AS (
+    -- x-expires counts from when the queue was last used
+    UPDATE {schema}.queues SET last_used_at = now()
+     WHERE expires IS NOT NULL AND name IN (SELECT unnest(queues) FROM c)
+    RETURNING 1
 ), r AS (
     UPDATE {schema}.jobs
        SET status = 'pending', redelivered = true, locked_by = NULL, locked_at = NULL
@@ -202,8 +214,15 @@ ON CONFLICT (name) DO UPDATE
        arguments = EXCLUDED.arguments, max_priority = EXCLUDED.max_priority,
        message_ttl = EXCLUDED.message_ttl, expires = EXCLUDED.expires, last_used_at = now();
 
--- has_queue: is the queue declared
-SELECT EXISTS (SELECT 1 FROM {schema}.queues WHERE name = %(name)s);
+-- has_queue: is the queue declared (and not expired)
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.queues AS q
+     WHERE q.name = %(name)s
+       AND (q.expires IS NULL
+            OR q.last_used_at + q.expires * interval '1 millisecond' > now()
+            OR EXISTS (SELECT 1 FROM {schema}.consumers AS c
+                        WHERE q.name = ANY (c.queues) AND c.lease_until > now()))
+);
 
 -- delete_queue: drop a queue and its waiting messages; returns how many messages went
 WITH q AS (
@@ -225,3 +244,107 @@ SELECT queue,
   FROM {schema}.jobs
  GROUP BY queue
  ORDER BY queue;
+
+-- publish_routed: insert one message into every live queue the exchange routes routing_key to (bindings of all processes, plus the queues this process bound); returns the queues
+WITH targets AS (
+    SELECT t.queue FROM unnest(%(queues)s::text[]) AS t(queue)
+    UNION
+    SELECT b.queue
+      FROM {schema}.bindings AS b
+      JOIN {schema}.exchanges AS e ON e.name = b.exchange
+     WHERE b.exchange = %(exchange)s
+       AND CASE e.type WHEN 'fanout' THEN true
+                       WHEN 'topic' THEN %(routing_key)s ~ b.pattern
+                       WHEN 'direct' THEN b.routing_key = %(routing_key)s
+                       ELSE false END
+), live AS (
+    SELECT t.queue, q.max_priority, q.message_ttl
+      FROM targets AS t
+      LEFT JOIN {schema}.queues AS q ON q.name = t.queue
+     WHERE q.name IS NULL
+        OR q.expires IS NULL
+        OR q.last_used_at + q.expires * interval '1 millisecond' > now()
+        OR EXISTS (SELECT 1 FROM {schema}.consumers AS c
+                    WHERE q.name = ANY (c.queues) AND c.lease_until > now())
+)
+INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
+SELECT live.queue,
+       LEAST(%(priority)s, COALESCE(live.max_priority, 255)),
+       %(status)s::{schema}.job_status,
+       COALESCE(%(run_at)s::timestamptz, now()),
+       %(payload)s::json,
+       %(task_name)s,
+       %(task_id)s,
+       now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, live.message_ttl) / 1000.0)
+  FROM live
+RETURNING queue;
+
+-- route: the live queues the exchange routes routing_key to, from the bindings of all processes
+SELECT b.queue
+  FROM {schema}.bindings AS b
+  JOIN {schema}.exchanges AS e ON e.name = b.exchange
+  JOIN {schema}.queues AS q ON q.name = b.queue
+ WHERE b.exchange = %(exchange)s
+   AND CASE e.type WHEN 'fanout' THEN true
+                   WHEN 'topic' THEN %(routing_key)s ~ b.pattern
+                   WHEN 'direct' THEN b.routing_key = %(routing_key)s
+                   ELSE false END
+   AND (q.expires IS NULL
+        OR q.last_used_at + q.expires * interval '1 millisecond' > now()
+        OR EXISTS (SELECT 1 FROM {schema}.consumers AS c
+                    WHERE q.name = ANY (c.queues) AND c.lease_until > now()))
+ ORDER BY b.queue;
+
+-- declare_exchange: create an exchange or refresh its type and flags (the last declaration wins)
+INSERT INTO {schema}.exchanges (name, type, durable, auto_delete, arguments)
+VALUES (%(name)s, %(type)s, %(durable)s, %(auto_delete)s, %(arguments)s)
+ON CONFLICT (name) DO UPDATE
+   SET type = EXCLUDED.type, durable = EXCLUDED.durable, auto_delete = EXCLUDED.auto_delete,
+       arguments = EXCLUDED.arguments;
+
+-- exchange_type: the type of a declared exchange (no row when undeclared)
+SELECT type FROM {schema}.exchanges WHERE name = %(name)s;
+
+-- delete_exchange: drop an exchange and (by the foreign key) its bindings; returns how many exchanges went
+WITH e AS (DELETE FROM {schema}.exchanges WHERE name = %(name)s RETURNING 1)
+SELECT count(*) FROM e;
+
+-- bind: bind a queue to an exchange (creating either row if another process has not declared it yet)
+WITH e AS (
+    INSERT INTO {schema}.exchanges (name, type) VALUES (%(exchange)s, %(type)s)
+    ON CONFLICT (name) DO NOTHING
+), q AS (
+    INSERT INTO {schema}.queues (name) VALUES (%(queue)s)
+    ON CONFLICT (name) DO UPDATE SET last_used_at = now()
+)
+INSERT INTO {schema}.bindings (exchange, queue, routing_key, arguments, pattern)
+VALUES (%(exchange)s, %(queue)s, %(routing_key)s, %(arguments)s, %(pattern)s)
+ON CONFLICT (exchange, queue, routing_key) DO UPDATE
+   SET arguments = EXCLUDED.arguments, pattern = EXCLUDED.pattern;
+
+-- unbind: remove one binding
+DELETE FROM {schema}.bindings
+ WHERE exchange = %(exchange)s AND queue = %(queue)s AND routing_key = %(routing_key)s;
+
+-- exchange_table: every binding of an exchange as (routing_key, pattern, queue)
+SELECT routing_key, pattern, queue FROM {schema}.bindings WHERE exchange = %(exchange)s
+ ORDER BY queue, routing_key;
+
+-- delete_unused_queues: auto_delete queues whose last consumer left: drop them, their waiting messages and bindings
+WITH gone AS (
+    DELETE FROM {schema}.queues AS q
+     WHERE q.name = ANY(%(names)s::text[]) AND q.auto_delete
+       AND NOT EXISTS (SELECT 1 FROM {schema}.consumers AS c
+                        WHERE c.id <> %(consumer)s AND q.name = ANY (c.queues)
+                          AND c.lease_until > now())
+    RETURNING q.name
+), d AS (
+    DELETE FROM {schema}.jobs AS j
+     USING gone
+     WHERE j.queue = gone.name AND j.status IN ('pending', 'scheduled')
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM d);
+
+-- expire_queues: delete queues with x-expires unused for that long (see the SQL function); returns (queues, messages)
+SELECT queues, messages FROM {schema}.expire_queues();

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
@@ -42,3 +46,58 @@ def runs(db_url: str, event: str | None = None) -> list[tuple[str, str, int, boo
             {"e": event},
         ).fetchall()
     return [(r[0], r[1], r[2], r[3]) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def module_db_url(pg_server_dsn: str, template_db: str) -> Iterator[str]:
+    """A migrated database shared by one test module (for modules that share a worker)."""
+    from psycopg import sql
+
+    from tests.helpers import make_url
+
+    name = f"pgskip_mod_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_server_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(template_db)
+            )
+        )
+    try:
+        yield make_url(pg_server_dsn, name)
+    finally:
+        with psycopg.connect(pg_server_dsn, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+@pytest.fixture(scope="module")
+def module_broker_url(module_db_url: str) -> str:
+    import sys
+
+    sys.path.insert(0, APPS_DIR)
+    try:
+        import taskapp
+    finally:
+        sys.path.remove(APPS_DIR)
+    taskapp.ensure_table(module_db_url)
+    return module_db_url.replace("postgresql://", "pgskip://", 1)
+
+
+def celery_cli(
+    *args: str, broker: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``celery -A taskapp <args>`` as a user types it, against ``broker``."""
+    from tests.helpers import REPO_ROOT
+
+    full_env = dict(os.environ, PGSKIP_BROKER_URL=broker, PYTHONPATH=str(REPO_ROOT))
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "taskapp", *args],
+        cwd=APPS_DIR,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )

@@ -29,6 +29,11 @@ app.conf.update(
     },
     task_acks_on_failure_or_timeout=True,
 )
+if os.environ.get("PGSKIP_RESULT_BACKEND"):
+    app.conf.result_backend = os.environ["PGSKIP_RESULT_BACKEND"]
+if os.environ.get("PGSKIP_CONTROL_QUEUE_EXPIRES"):
+    # How long a dead worker's remote-control queue outlives it (Celery's default: 10 s).
+    app.conf.control_queue_expires = float(os.environ["PGSKIP_CONTROL_QUEUE_EXPIRES"])
 
 _conn: psycopg.Connection[tuple[object, ...]] | None = None
 _pid = 0
@@ -93,4 +98,14 @@ def spawn(self, key: str) -> str:  # type: ignore[no-untyped-def]
     _log(key, "start", None, self.request.hostname)
     record.apply_async(args=(f"{key}-child",), queue=self.request.delivery_info.get("routing_key"))
     _log(key, "finish", None, self.request.hostname)
+    return key
+
+
+@app.task(bind=True, name="taskapp.retry_once", max_retries=1, default_retry_delay=0)
+def retry_once(self, key: str) -> str:  # type: ignore[no-untyped-def]
+    """Logs the priority each delivery arrived with, and retries once."""
+    priority = (self.request.delivery_info or {}).get("priority")
+    _log(key, f"priority={priority}", None, self.request.hostname)
+    if self.request.retries == 0:
+        raise self.retry()
     return key
