@@ -86,9 +86,19 @@ class Store:
     """The broker's database operations on one lazily opened connection."""
 
     def __init__(
-        self, url: str, *, schema: str = "pgskip", check: bool = True, **connect_kwargs: Any
+        self,
+        url: str,
+        *,
+        schema: str = "pgskip",
+        check: bool = True,
+        asynchronous_commit: bool = False,
+        **connect_kwargs: Any,
     ):
+        """``asynchronous_commit`` sets ``synchronous_commit = off`` for this connection's
+        session: commits return before their WAL is flushed. Only for statements whose loss in
+        a server crash is harmless (fetches and acks: a lost one means a redelivery)."""
         self.url = url
+        self._asynchronous_commit = asynchronous_commit
         self.schema = schema
         self.q = queries_for(schema)
         self.channel = notify_channel(schema)
@@ -112,6 +122,8 @@ class Store:
         if conn is None or conn.closed:
             conn = connect(self.url, **self._connect_kwargs)
             try:
+                if self._asynchronous_commit:
+                    conn.execute("SET synchronous_commit TO off")
                 self._ensure_schema(conn)
             except BaseException:
                 conn.close()

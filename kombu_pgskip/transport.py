@@ -69,6 +69,10 @@ option                        default    meaning
 ``max_message_size``          67108864   bytes of encoded message accepted by publish
 ``connect_timeout``           10         seconds to wait for a connection
 ``check_schema``              True       refuse to run against a missing or outdated schema
+``synchronous_acks``          False      False: fetches and acks run on a connection of their
+                                         own with ``synchronous_commit = off`` (a server crash
+                                         can redeliver, never lose); True behind PgBouncer in
+                                         transaction pooling
 ============================  =========  ==========================================================
 """
 
@@ -115,6 +119,7 @@ class Options:
     max_message_size: int = 64 * 1024 * 1024
     connect_timeout: float = 10.0
     check_schema: bool = True
+    synchronous_acks: bool = False
 
     @classmethod
     def from_transport_options(cls, options: dict[str, Any]) -> Options:
@@ -162,7 +167,13 @@ class QoS(virtual.QoS):
     channel: Channel
 
     def ack(self, delivery_tag: Any) -> None:
-        self.channel._settle("ack", [delivery_tag])
+        if self.channel._batching_acks():
+            # Written by the event loop's next turn, together with every other ack that
+            # arrived meanwhile: one statement instead of one per message. An ack lost in a
+            # crash before it is written can only cause a redelivery, never a loss.
+            self.channel._queue_ack(delivery_tag)
+        else:
+            self.channel._settle("ack", [delivery_tag])
         self._quick_ack(delivery_tag)
         self.channel._credit_freed()
 
@@ -217,6 +228,8 @@ class Channel(virtual.Channel):
         super().__init__(connection, **kwargs)
         self._pid = os.getpid()
         self.consumer_id = uuid.uuid4()
+        self._ack_lock = threading.Lock()
+        self._pending_acks: list[tuple[int, int]] = []
         self._registered = False
         self._no_ack_queues: set[str] = set()
         # Queues this channel declared with auto_delete: dropped when it stops consuming them.
@@ -231,6 +244,10 @@ class Channel(virtual.Channel):
     @property
     def store(self) -> Store:
         return self.connection.store
+
+    @property
+    def consumer_store(self) -> Store:
+        return self.connection.consumer_store
 
     @property
     def options(self) -> Options:
@@ -250,7 +267,7 @@ class Channel(virtual.Channel):
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         validate_queue_name(queue)
         self._ensure_registered([queue])
-        rows = self.store.fetch([queue], 1, self.consumer_id)
+        rows = self.consumer_store.fetch([queue], 1, self.consumer_id)
         if not rows:
             raise Empty()
         return to_message(rows[0])
@@ -475,7 +492,7 @@ class Channel(virtual.Channel):
         """Take one message; with ``no_ack`` it is deleted as it is taken."""
         validate_queue_name(queue)
         self._ensure_registered([queue])
-        rows = self.store.fetch([queue], 1, self.consumer_id, no_ack=no_ack)
+        rows = self.consumer_store.fetch([queue], 1, self.consumer_id, no_ack=no_ack)
         if not rows:
             return None
         message = self.Message(to_message(rows[0]), channel=self)
@@ -541,6 +558,17 @@ class Channel(virtual.Channel):
     def close(self) -> None:
         was_closed = self.closed
         transport = self.connection
+        if not was_closed and self.owned_by_this_process:
+            try:
+                self.flush_acks()
+            except Exception as exc:
+                # Not lost: unwritten acks only make their messages run again.
+                logger.warning(
+                    "could not write pending acks at close (%s); those messages will be "
+                    "redelivered",
+                    exc,
+                    extra={"action": "ack_flush_failed"},
+                )
         super().close()  # cancels consumers, requeues unacked messages, detaches the transport
         if transport is None:
             return
@@ -587,10 +615,40 @@ class Channel(virtual.Channel):
         noack_queues = [q for q in queues if q in self._no_ack_queues]
         out: list[FetchedRow] = []
         if noack_queues:
-            out += self.store.fetch(noack_queues, limit, self.consumer_id, no_ack=True)
+            out += self.consumer_store.fetch(noack_queues, limit, self.consumer_id, no_ack=True)
         if ack_queues and len(out) < limit:
-            out += self.store.fetch(ack_queues, limit - len(out), self.consumer_id)
+            out += self.consumer_store.fetch(ack_queues, limit - len(out), self.consumer_id)
         return out
+
+    def _batching_acks(self) -> bool:
+        transport = self.connection
+        return (
+            transport is not None
+            and transport._loop is not None
+            and self.owned_by_this_process
+            and not self.closed
+        )
+
+    def _queue_ack(self, delivery_tag: Any) -> None:
+        pair = parse_tag(delivery_tag)
+        with self._ack_lock:
+            self._pending_acks.append(pair)
+
+    def flush_acks(self) -> int:
+        """Write the acks queued since the last flush, in one statement; returns how many."""
+        with self._ack_lock:
+            pairs, self._pending_acks = self._pending_acks, []
+        if not pairs:
+            return 0
+        done = self.connection.consumer_store.ack(pairs, self.consumer_id)
+        if done < len(pairs):
+            logger.warning(
+                "ack of %d messages changed nothing: this consumer's lease was taken away and "
+                "the messages were handed to another consumer",
+                len(pairs) - done,
+                extra={"action": "ack_fenced", "consumer": str(self.consumer_id)},
+            )
+        return len(pairs)
 
     def _credit_freed(self) -> None:
         transport = self.connection
@@ -599,10 +657,11 @@ class Channel(virtual.Channel):
 
     def _settle(self, how: str, tags: list[Any]) -> None:
         pairs = [parse_tag(t) for t in tags]
+        store = self.consumer_store
         if how == "ack":
-            done = self.store.ack(pairs, self.consumer_id)
+            done = store.ack(pairs, self.consumer_id)
         elif how == "requeue":
-            done, failed = self.store.requeue(
+            done, failed = store.requeue(
                 pairs, self.consumer_id, max_attempts=self.options.max_attempts
             )
             if failed:
@@ -613,7 +672,7 @@ class Channel(virtual.Channel):
                     extra={"action": "max_attempts"},
                 )
         else:
-            done = self.store.fail(pairs, self.consumer_id, "rejected by consumer (requeue=False)")
+            done = store.fail(pairs, self.consumer_id, "rejected by consumer (requeue=False)")
         if done < len(pairs):
             logger.warning(
                 "%s of %d messages changed nothing: this consumer's lease was taken away and "
@@ -785,10 +844,27 @@ class Transport(virtual.Transport):
 
     @cached_property
     def store(self) -> Store:
+        """Publishing, declarations, operators' queries: every commit is durable."""
         return Store(
             self.url,
             schema=self.options.schema,
             check=self.options.check_schema,
+            connect_timeout=self.options.connect_timeout,
+        )
+
+    @cached_property
+    def consumer_store(self) -> Store:
+        """Fetches, acks, requeues and leases, on a connection of their own.
+
+        Unless ``synchronous_acks`` is set, these commit asynchronously: losing one in a
+        PostgreSQL crash can only make a message run again (its row is still ``pending`` or
+        ``running`` and the sweeper returns it), never lose it; publishes stay durable.
+        """
+        return Store(
+            self.url,
+            schema=self.options.schema,
+            check=self.options.check_schema,
+            asynchronous_commit=not self.options.synchronous_acks,
             connect_timeout=self.options.connect_timeout,
         )
 
@@ -807,6 +883,8 @@ class Transport(virtual.Transport):
         finally:
             self._stop_background()
             self.store.close()
+            if "consumer_store" in self.__dict__:
+                self.consumer_store.close()
 
     def _stop_background(self) -> None:
         hb, self._heartbeat = self._heartbeat, None
@@ -1072,6 +1150,7 @@ class Transport(virtual.Transport):
         self._drain_queued = False
         if self._loop is None:
             return
+        self._flush_acks()
         now = time.monotonic()
         if now >= self._next_promote:
             self._promote(now)
@@ -1085,6 +1164,11 @@ class Transport(virtual.Transport):
                 return
             only = None
         self._queue_drain()  # more to fetch: go on after the loop has served others
+
+    def _flush_acks(self) -> None:
+        for channel in list(self.channels):
+            if not channel.closed:
+                channel.flush_acks()
 
     def _consumed_queues(self) -> set[str]:
         queues: set[str] = set()
