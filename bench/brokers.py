@@ -1,0 +1,242 @@
+"""The four brokers under test, started or found, each in its own place.
+
+* ``pgskip``: an :class:`~kombu_pgskip.embedded.EmbeddedPostgres` with ``fsync`` on (durable
+  commits, as in production), database ``pgskip_bench``, schema migrated.
+* ``pgskip-async``: the same database; only the *publisher* connects with
+  ``synchronous_commit=off`` (libpq ``options`` in the URL), the opt-in mode whose risk is that
+  the last few hundred milliseconds of acknowledged publishes can be lost if the server crashes.
+* ``sqlalchemy``: kombu's SQLAlchemy transport on the same cluster, database ``sqla_bench``.
+* ``rabbitmq``: 127.0.0.1:5672 (guest/guest), pyamqp without publisher confirms.
+* ``redis``: 127.0.0.1:6379, database 13 (flushed between measurements), no AOF.
+
+Redis and RabbitMQ are started if absent (``redis-server --daemonize yes ...``,
+``rabbitmq-server -detached``); when that fails they are reported unavailable, never fatal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import psycopg
+
+from .common import log
+
+REDIS_DB = 13
+PG_DATABASES = ("pgskip_bench", "sqla_bench", "raw_bench")
+ASYNC_OPTIONS = "?options=" + quote("-c synchronous_commit=off")
+
+
+@dataclass
+class Broker:
+    name: str
+    label: str
+    url: str | None = None  # what workers (and, unless publish_url, publishers) use
+    publish_url: str | None = None
+    db_url: str | None = None  # libpq URL of its database (PostgreSQL brokers)
+    transport_options: dict[str, Any] = field(default_factory=dict)
+    available: bool = False
+    reason: str = ""
+    slow: bool = False  # kombu's SQLAlchemy transport: smaller workloads, capped waits
+
+    @property
+    def publisher_url(self) -> str | None:
+        return self.publish_url or self.url
+
+    def reset(self) -> None:
+        """Empty every queue of this broker (called before each measurement)."""
+        if self.name in ("pgskip", "pgskip-async") and self.db_url:
+            with psycopg.connect(self.db_url, autocommit=True) as conn:
+                conn.execute("TRUNCATE pgskip.jobs, pgskip.consumers")
+                conn.execute("DELETE FROM pgskip.queues")
+                conn.execute("DELETE FROM pgskip.exchanges")
+        elif self.name == "sqlalchemy" and self.db_url:
+            with psycopg.connect(self.db_url, autocommit=True) as conn:
+                exists = conn.execute("SELECT to_regclass('kombu_message') IS NOT NULL").fetchone()
+                if exists and exists[0]:
+                    conn.execute("TRUNCATE kombu_message, kombu_queue CASCADE")
+        elif self.name == "redis" and self.url:
+            import redis
+
+            redis.Redis.from_url(self.url).flushdb()
+
+    def delete_queues(self, names: list[str]) -> None:
+        """Drop queues a measurement declared (RabbitMQ keeps them otherwise)."""
+        if self.name != "rabbitmq" or not self.url:
+            return
+        from kombu import Connection
+
+        with contextlib.suppress(Exception), Connection(self.url) as conn:
+            chan = conn.channel()
+            for name in names:
+                with contextlib.suppress(Exception):
+                    chan.queue_delete(name)
+                    chan.exchange_delete(name)
+
+
+def _port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def ensure_redis() -> Broker:
+    broker = Broker("redis", "Redis (no AOF)", url=f"redis://127.0.0.1:6379/{REDIS_DB}")
+    try:
+        import redis
+    except ImportError:
+        broker.reason = "python package redis not installed"
+        return broker
+    if not _port_open(6379):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            broker.reason = "Redis not running and redis-server not installed"
+            return broker
+        log("Redis not running: starting redis-server")
+        subprocess.run(
+            [exe, "--daemonize", "yes", "--port", "6379", "--save", "", "--appendonly", "no"],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        for _ in range(100):
+            if _port_open(6379):
+                break
+            time.sleep(0.1)
+    try:
+        client = redis.Redis.from_url(broker.url or "", socket_timeout=5)
+        client.ping()
+        aof = client.config_get("appendonly").get("appendonly")
+        broker.label = f"Redis (appendonly={aof})"
+        broker.available = True
+    except Exception as exc:
+        broker.reason = f"Redis unreachable: {exc}"
+    return broker
+
+
+def ensure_rabbitmq(start_timeout: float = 90.0) -> Broker:
+    broker = Broker(
+        "rabbitmq",
+        "RabbitMQ (pyamqp, no confirms)",
+        url="amqp://guest:guest@127.0.0.1:5672//",
+    )
+    if not _port_open(5672):
+        exe = shutil.which("rabbitmq-server")
+        if exe is None:
+            broker.reason = "RabbitMQ not running and rabbitmq-server not installed"
+            return broker
+        log("RabbitMQ not running: starting rabbitmq-server -detached (takes a while)")
+        subprocess.run([exe, "-detached"], capture_output=True, timeout=60, check=False)
+        deadline = time.monotonic() + start_timeout
+        while time.monotonic() < deadline and not _port_open(5672):
+            time.sleep(1.0)
+    from kombu import Connection
+
+    last: Exception | None = None
+    for _ in range(10):
+        try:
+            with Connection(broker.url, connect_timeout=5) as conn:
+                conn.connect()
+            broker.available = True
+            return broker
+        except Exception as exc:  # not up yet, or refusing guest
+            last = exc
+            time.sleep(1.0)
+    broker.reason = f"RabbitMQ unreachable: {last}"
+    return broker
+
+
+class BenchEnv:
+    """Every broker of the run; ``with BenchEnv() as env: env.brokers["pgskip"]``."""
+
+    def __init__(self, *, want: set[str] | None = None) -> None:
+        self.want = want
+        self.pg: Any = None
+        self.brokers: dict[str, Broker] = {}
+        self.pg_settings: dict[str, str] = {}
+
+    def __enter__(self) -> BenchEnv:
+        self._start_postgres()
+        self.brokers["rabbitmq"] = ensure_rabbitmq()
+        self.brokers["redis"] = ensure_redis()
+        for b in self.brokers.values():
+            if not b.available:
+                log(f"{b.name}: unavailable ({b.reason})")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pg is not None:
+            self.pg.cleanup()
+
+    def raw_db_url(self) -> str | None:
+        return None if self.pg is None else self.pg.dsn("raw_bench")
+
+    def _start_postgres(self) -> None:
+        names = ("pgskip", "pgskip-async", "sqlalchemy")
+        try:
+            from kombu_pgskip import migrate
+            from kombu_pgskip.embedded import EmbeddedPostgres
+
+            self.pg = EmbeddedPostgres(fsync=True, pg_cron=False).start()
+            with psycopg.connect(self.pg.dsn(), autocommit=True) as conn:
+                for db in PG_DATABASES:
+                    conn.execute(f'CREATE DATABASE "{db}"')
+                for name in (
+                    "fsync",
+                    "synchronous_commit",
+                    "wal_sync_method",
+                    "shared_buffers",
+                    "max_wal_size",
+                    "server_version",
+                ):
+                    row = conn.execute(f"SHOW {name}").fetchone()
+                    self.pg_settings[name] = str(row[0]) if row else "?"
+            pg_url = self.pg.dsn("pgskip_bench")
+            migrate(pg_url, schema="pgskip")
+            migrate(self.pg.dsn("raw_bench"), schema="pgskip")  # for the ceilings' table shape
+            host = f"postgres@127.0.0.1:{self.pg.port}"
+            self.brokers["pgskip"] = Broker(
+                "pgskip",
+                "pgskip (fsync on, sync commit)",
+                url=f"pgskip://{host}/pgskip_bench",
+                db_url=pg_url,
+                available=True,
+            )
+            self.brokers["pgskip-async"] = Broker(
+                "pgskip-async",
+                "pgskip, publisher with synchronous_commit=off (opt-in)",
+                url=f"pgskip://{host}/pgskip_bench",
+                publish_url=f"pgskip://{host}/pgskip_bench{ASYNC_OPTIONS}",
+                db_url=pg_url,
+                available=True,
+            )
+            try:
+                import sqlalchemy  # noqa: F401
+
+                self.brokers["sqlalchemy"] = Broker(
+                    "sqlalchemy",
+                    "kombu SQLAlchemy transport (PostgreSQL)",
+                    url=f"sqla+postgresql://{host}/sqla_bench",
+                    db_url=self.pg.dsn("sqla_bench"),
+                    available=True,
+                    slow=True,
+                )
+            except ImportError:
+                self.brokers["sqlalchemy"] = Broker(
+                    "sqlalchemy", "kombu SQLAlchemy transport", reason="sqlalchemy not installed"
+                )
+            log(f"PostgreSQL {self.pg_settings.get('server_version')} on port {self.pg.port}")
+        except Exception as exc:
+            log(f"PostgreSQL could not start: {exc}")
+            for name in names:
+                self.brokers[name] = Broker(name, name, reason=f"PostgreSQL did not start: {exc}")

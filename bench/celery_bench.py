@@ -1,0 +1,229 @@
+"""Celery through each broker: worker side (a backlog, then the worker starts), end to end (one
+publisher, publish to task start), the scaling curve, and where a pgskip publish spends its time.
+
+Throughput is measured on the tasks' own start stamps: tasks started / (last start - first
+start) for the worker side, tasks / (last start - first publish) end to end.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .brokers import Broker
+from .common import log, percentile
+from .workers import (
+    StampDir,
+    Worker,
+    new_queue,
+    publish_backlog,
+    publisher_app,
+    stop_all,
+    warm_up,
+)
+
+
+def _rate(stamps: list[tuple[int, float]]) -> float | None:
+    times = sorted(t for i, t in stamps if i >= 0)
+    if len(times) < 2 or times[-1] <= times[0]:
+        return None
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def worker_side(
+    broker: Broker,
+    *,
+    pool: str,
+    concurrency: int,
+    n: int,
+    timeout: float,
+    processes: int = 1,
+) -> dict[str, Any]:
+    """``n`` tasks wait in the broker, then ``processes`` workers start and drain them."""
+    broker.reset()
+    queue = new_queue("ws")
+    app = publisher_app(broker, queue)
+    stamps = StampDir()
+    workers: list[Worker] = []
+    try:
+        publish_s = publish_backlog(broker, app, n)
+        t_start = time.time()
+        workers = [
+            Worker(broker, queue, stamps, pool=pool, concurrency=concurrency, name=f"ws{k}").start()
+            for k in range(processes)
+        ]
+        done = stamps.wait_for(n, timeout + 10.0 * processes)
+        got = stamps.read()
+        first = min((t for i, t in got if i >= 0), default=None)
+        result: dict[str, Any] = {
+            "tasks": n,
+            "completed": done,
+            "rate": _rate(got),
+            "backlog_publish_s": round(publish_s, 3),
+            "first_task_after_s": None if first is None else round(first - t_start, 3),
+        }
+        if done < n:
+            result["note"] = f"timed out: {done} of {n} tasks started"
+            if done == 0:
+                result["worker_log"] = workers[0].log_tail()
+        return result
+    finally:
+        stop_all(workers)
+        stamps.cleanup()
+        app.close()
+        broker.delete_queues([queue])
+
+
+def end_to_end(broker: Broker, *, n: int, timeout: float) -> dict[str, Any]:
+    """An idle worker (``-P threads -c 4``); one publisher sends ``n`` tasks back to back."""
+    broker.reset()
+    queue = new_queue("e2e")
+    app = publisher_app(broker, queue)
+    stamps = StampDir()
+    worker = Worker(broker, queue, stamps, pool="threads", concurrency=4, name="e2e")
+    try:
+        worker.start()
+        if not warm_up(app, stamps):
+            return {"error": "worker did not start", "worker_log": worker.log_tail()}
+        task = app.tasks["bench.noop"]
+        durations: list[float] = []
+        t0 = time.time()
+        for i in range(n):
+            c0 = time.perf_counter()
+            task.apply_async(kwargs={"i": i})
+            durations.append(time.perf_counter() - c0)
+        t_pub = time.time()
+        done = stamps.wait_for(n, timeout)
+        got = [(i, t) for i, t in stamps.read() if i >= 0]
+        last = max((t for _, t in got), default=None)
+        result: dict[str, Any] = {
+            "tasks": n,
+            "completed": done,
+            "rate": None if last is None or done < n else n / (last - t0),
+            "publish_rate": n / (t_pub - t0),
+            "publish_us_p50": round(1e6 * (percentile(durations, 50) or 0), 1),
+            "publish_us_p99": round(1e6 * (percentile(durations, 99) or 0), 1),
+        }
+        if done < n:
+            result["note"] = f"timed out: {done} of {n} tasks started"
+            result["rate_partial"] = None if last is None else done / (last - t0)
+        return result
+    finally:
+        worker.stop()
+        stamps.cleanup()
+        app.close()
+        broker.delete_queues([queue])
+
+
+def publish_breakdown(
+    pgskip: Broker, pgskip_async: Broker, raw_url: str, *, n: int
+) -> dict[str, Any]:
+    """Where one durable ``apply_async`` to pgskip spends its time, in microseconds.
+
+    * Celery + kombu: the same ``apply_async`` to kombu's in-memory transport;
+    * pgskip envelope: ``to_row`` (JSON encoding of the kombu message);
+    * SQL: time inside ``Store.run`` (the INSERT statement and its commit);
+    * commit wait: SQL time minus the SQL time of the same statement with
+      ``synchronous_commit=off`` (the WAL flush the publisher waits for).
+    """
+    import psycopg
+
+    import kombu_pgskip.store as store_mod
+    import kombu_pgskip.transport as transport_mod
+
+    out: dict[str, Any] = {"messages": n}
+    mem = publisher_app(Broker("memory", "memory", url="memory://", available=True), "bench.mem")
+    task = mem.tasks["bench.noop"]
+    for i in range(200):
+        task.apply_async(kwargs={"i": i})
+    t0 = time.perf_counter()
+    for i in range(n):
+        task.apply_async(kwargs={"i": i})
+    out["celery_kombu_memory_us"] = round(1e6 * (time.perf_counter() - t0) / n, 1)
+    mem.close()
+
+    orig_run = store_mod.Store.run
+    orig_to_row = transport_mod.to_row
+    acc = {"sql": 0.0, "to_row": 0.0}
+
+    def timed_run(self: Any, query: Any, params: Any) -> Any:
+        c0 = time.perf_counter()
+        try:
+            return orig_run(self, query, params)
+        finally:
+            acc["sql"] += time.perf_counter() - c0
+
+    def timed_to_row(*a: Any, **kw: Any) -> Any:
+        c0 = time.perf_counter()
+        try:
+            return orig_to_row(*a, **kw)
+        finally:
+            acc["to_row"] += time.perf_counter() - c0
+
+    store_mod.Store.run = timed_run  # type: ignore[method-assign]
+    transport_mod.to_row = timed_to_row
+    try:
+        for broker in (pgskip, pgskip_async):
+            broker.reset()
+            queue = new_queue("pb")
+            app = publisher_app(broker, queue)
+            task = app.tasks["bench.noop"]
+            for i in range(50):
+                task.apply_async(kwargs={"i": i})
+            acc["sql"] = acc["to_row"] = 0.0
+            t0 = time.perf_counter()
+            for i in range(n):
+                task.apply_async(kwargs={"i": i})
+            total = (time.perf_counter() - t0) / n
+            key = "sync" if broker is pgskip else "async"
+            out[f"{key}_total_us"] = round(1e6 * total, 1)
+            out[f"{key}_sql_us"] = round(1e6 * acc["sql"] / n, 1)
+            out[f"{key}_to_row_us"] = round(1e6 * acc["to_row"] / n, 1)
+            out[f"{key}_rate"] = round(1 / total, 1)
+            app.close()
+    finally:
+        store_mod.Store.run = orig_run  # type: ignore[method-assign]
+        transport_mod.to_row = orig_to_row
+
+    # The pgskip publish statement alone, from psycopg, with a real payload.
+    with psycopg.connect(pgskip.db_url or "", autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT queue, payload::text, task_name, task_id FROM pgskip.jobs LIMIT 1"
+        ).fetchone()
+    if row is not None:
+        from kombu_pgskip.sql import queries_for
+
+        q = queries_for("pgskip")["publish"]
+        params = {
+            "queue": row[0],
+            "priority": 0,
+            "status": "pending",
+            "run_at": None,
+            "payload": row[1],
+            "task_name": row[2],
+            "task_id": row[3],
+            "ttl_ms": None,
+        }
+        for key, opts in (("sync", ""), ("async", "-c synchronous_commit=off")):
+            with psycopg.connect(pgskip.db_url or "", autocommit=True, options=opts) as conn:
+                for _ in range(50):
+                    conn.execute(q, params, prepare=True)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    conn.execute(q, params, prepare=True)
+                out[f"statement_{key}_us"] = round(1e6 * (time.perf_counter() - t0) / n, 1)
+        out["payload_bytes"] = len(row[1])
+    s = out
+    if "sync_total_us" in s and "async_sql_us" in s:
+        s["summary_us"] = {
+            "celery_and_kombu": round(
+                s["sync_total_us"] - s["sync_sql_us"] - s["sync_to_row_us"], 1
+            ),
+            "pgskip_to_row": s["sync_to_row_us"],
+            "sql_without_commit_wait": s["async_sql_us"],
+            "commit_wait": round(s["sync_sql_us"] - s["async_sql_us"], 1),
+            "total": s["sync_total_us"],
+        }
+    pgskip.reset()
+    log(f"publish breakdown: {s.get('summary_us')}")
+    return out

@@ -1,0 +1,357 @@
+"""Raw figures below Celery: what PostgreSQL itself allows, and kombu publish / consume.
+
+SQL ceilings (psycopg 3, autocommit, fsync on, the ``raw_bench`` database): a table shaped as
+pgskip's ``jobs`` (``CREATE TABLE ... (LIKE pgskip.jobs INCLUDING ALL)``: same columns and
+indexes, no trigger), a real Celery message as payload.
+
+* single-row INSERT, one durable commit each, one connection;
+* SKIP LOCKED dequeue of 100 rows (returning the payloads), then one batched ack statement,
+  with 1 and 4 clients (processes);
+* the same dequeue with one ack statement per row, 1 and 4 clients; and, to show where that
+  time goes, per-row acks with ``synchronous_commit=off``;
+* pgskip's own ``fetch`` and ``ack`` statements (``Store.fetch`` / ``Store.ack``) with one ack
+  statement per batch: what the transport's SQL allows if acks were batched.
+
+kombu (no Celery): one producer publishing durable messages (``delivery_mode=2``) for a fixed
+time; then one consumer with prefetch 100 that acks each message, over those messages.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import uuid
+from typing import Any
+
+import psycopg
+
+from .brokers import Broker
+
+CEILING_DDL = """
+DROP SCHEMA IF EXISTS ceiling CASCADE;
+CREATE SCHEMA ceiling;
+CREATE TABLE ceiling.jobs (LIKE pgskip.jobs INCLUDING ALL)
+  WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02,
+        autovacuum_vacuum_threshold = 1000, autovacuum_vacuum_cost_delay = 0);
+"""
+
+INSERT = (
+    "INSERT INTO ceiling.jobs (queue, payload, task_name, task_id) "
+    "VALUES ('q', %s::json, 'bench.noop', %s)"
+)
+PREFILL = (
+    "INSERT INTO ceiling.jobs (queue, payload, task_name, task_id) "
+    "SELECT 'q', %s::json, 'bench.noop', gen_random_uuid()::text FROM generate_series(1, %s)"
+)
+DEQUEUE = """
+WITH picked AS (
+    SELECT id FROM ceiling.jobs
+     WHERE queue = 'q' AND status = 'pending' AND run_at <= now()
+     ORDER BY priority DESC, run_at, id
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+)
+UPDATE ceiling.jobs AS j
+   SET status = 'running', locked_by = %(me)s, locked_at = now(), attempts = j.attempts + 1
+  FROM picked
+ WHERE j.id = picked.id
+RETURNING j.id, j.payload
+"""
+ACK_BATCH = (
+    "UPDATE ceiling.jobs SET status = 'completed', finished_at = now(), locked_by = NULL "
+    "WHERE id = ANY(%(ids)s) AND locked_by = %(me)s AND status = 'running'"
+)
+ACK_ONE = (
+    "UPDATE ceiling.jobs SET status = 'completed', finished_at = now(), locked_by = NULL "
+    "WHERE id = %(id)s AND locked_by = %(me)s AND status = 'running'"
+)
+
+
+def sample_payload(pgskip: Broker) -> str:
+    """A real Celery message for ``bench.noop``, as pgskip stores it."""
+    from .workers import new_queue, publisher_app
+
+    pgskip.reset()
+    app = publisher_app(pgskip, new_queue("sample"))
+    app.tasks["bench.noop"].apply_async(kwargs={"i": 0})
+    app.close()
+    with psycopg.connect(pgskip.db_url or "", autocommit=True) as conn:
+        row = conn.execute("SELECT payload::text FROM pgskip.jobs LIMIT 1").fetchone()
+    pgskip.reset()
+    assert row is not None
+    return str(row[0])
+
+
+# -- child processes (spawned: a clean interpreter, no inherited connections) --------------------
+
+
+def _until(start_at: float) -> None:
+    delay = start_at - time.time()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _insert_client(
+    start_at: float, url: str, payload: str, seconds: float, options: str
+) -> tuple[int, float]:
+    with psycopg.connect(url, autocommit=True, options=options) as conn:
+        conn.execute(INSERT, (payload, "warm"), prepare=True)
+        _until(start_at)
+        n = 0
+        t0 = time.perf_counter()
+        end = t0 + seconds
+        while time.perf_counter() < end:
+            conn.execute(INSERT, (payload, str(n)), prepare=True)
+            n += 1
+        return n, time.perf_counter() - t0
+
+
+def _dequeue_client(
+    start_at: float, url: str, seconds: float, limit: int, per_row: bool, options: str
+) -> tuple[int, float]:
+    me = uuid.uuid4()
+    with psycopg.connect(url, autocommit=True, options=options) as conn:
+        _until(start_at)
+        n = 0
+        t0 = time.perf_counter()
+        end = t0 + seconds
+        while time.perf_counter() < end:
+            rows = conn.execute(DEQUEUE, {"limit": limit, "me": me}, prepare=True).fetchall()
+            if not rows:
+                break
+            if per_row:
+                for r in rows:
+                    conn.execute(ACK_ONE, {"id": r[0], "me": me}, prepare=True)
+            else:
+                conn.execute(ACK_BATCH, {"ids": [r[0] for r in rows], "me": me}, prepare=True)
+            n += len(rows)
+        return n, time.perf_counter() - t0
+
+
+def _publish_client(
+    start_at: float, url: str, payload: str, seconds: float, options: str
+) -> tuple[int, float]:
+    """pgskip's own publish statement (its trigger NOTIFYs at commit) on ``pgskip.jobs``."""
+    from kombu_pgskip.sql import queries_for
+
+    q = queries_for("pgskip")["publish"]
+    params = {
+        "queue": "q",
+        "priority": 0,
+        "status": "pending",
+        "run_at": None,
+        "payload": payload,
+        "task_name": "bench.noop",
+        "task_id": "x",
+        "ttl_ms": None,
+    }
+    with psycopg.connect(url, autocommit=True, options=options) as conn:
+        conn.execute(q, params, prepare=True)
+        _until(start_at)
+        n = 0
+        t0 = time.perf_counter()
+        end = t0 + seconds
+        while time.perf_counter() < end:
+            conn.execute(q, params, prepare=True)
+            n += 1
+        return n, time.perf_counter() - t0
+
+
+def _store_client(start_at: float, url: str, seconds: float, limit: int) -> tuple[int, float]:
+    from kombu_pgskip.store import Store
+
+    store = Store(url, check=False)
+    me = uuid.uuid4()
+    store.register_consumer(me, hostname="bench", queues=["q"], lease=60)
+    _until(start_at)
+    n = 0
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    while time.perf_counter() < end:
+        rows = store.fetch(["q"], limit, me)
+        if not rows:
+            break
+        store.ack([(r.id, r.attempts) for r in rows], me)
+        n += len(rows)
+    elapsed = time.perf_counter() - t0
+    store.close()
+    return n, elapsed
+
+
+def _ready() -> bool:
+    import psycopg  # noqa: F401  (imported before the clock starts)
+
+    import kombu_pgskip.store  # noqa: F401
+
+    return True
+
+
+def _run_clients(target: Any, args_for: list[Any]) -> list[tuple[int, float]]:
+    """Run ``target(start_at, *args)`` in one spawned process per client, started together."""
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(len(args_for)) as pool:
+        pool.starmap(_ready, [()] * len(args_for))  # every child up and imported
+        start_at = time.time() + 0.3
+        return pool.starmap(target, [(start_at, *a) for a in args_for])
+
+
+# -- SQL ceilings -----------------------------------------------------------------------------
+
+
+def sql_ceilings(
+    raw_url: str, payload: str, *, seconds: float, prefill: int, quiet: Any, short: bool = False
+) -> dict[str, Any]:
+    """Every SQL ceiling once; ``quiet()`` is called (and its result kept) before each.
+
+    ``short`` leaves out the figures that only explain others (4-client INSERT, per-row acks
+    with asynchronous commit, pgskip's statements with 4 clients).
+    """
+    out: dict[str, Any] = {"payload_bytes": len(payload)}
+    with psycopg.connect(raw_url, autocommit=True) as conn:
+        conn.execute(CEILING_DDL)
+
+    def reset(rows: int, table: str = "ceiling.jobs") -> None:
+        with psycopg.connect(raw_url, autocommit=True) as conn:
+            conn.execute(f"TRUNCATE {table}")
+            if rows:
+                if table == "ceiling.jobs":
+                    conn.execute(PREFILL, (payload, rows))
+                else:
+                    conn.execute(
+                        "INSERT INTO pgskip.jobs (queue, payload, task_name, task_id) "
+                        "SELECT 'q', %s::json, 'bench.noop', gen_random_uuid()::text "
+                        "FROM generate_series(1, %s)",
+                        (payload, rows),
+                    )
+            conn.execute(f"VACUUM ANALYZE {table}")
+            if rows:
+                conn.execute("CHECKPOINT")  # no checkpoint of the prefill during the measurement
+
+    def record(name: str, counts: list[tuple[int, float]], clients: int, **extra: Any) -> None:
+        rows = sum(c for c, _ in counts)
+        elapsed = max(e for _, e in counts)
+        out[name] = {
+            "rate": rows / elapsed if elapsed > 0 else None,
+            "clients": clients,
+            "rows": rows,
+            "elapsed_s": round(elapsed, 3),
+            **extra,
+        }
+
+    def go(name: str, target: Any, args: list[tuple[Any, ...]], rows: int, **extra: Any) -> None:
+        reset(rows)
+        load = quiet()
+        counts = _run_clients(target, args)
+        record(name, counts, len(args), load=load, **extra)
+
+    sync, async_ = "", "-c synchronous_commit=off"
+    go("insert_1c", _insert_client, [(raw_url, payload, seconds, sync)], 0)
+    if not short:
+        go("insert_1c_async_commit", _insert_client, [(raw_url, payload, seconds, async_)], 0)
+        go("insert_4c", _insert_client, [(raw_url, payload, seconds, sync)] * 4, 0)
+    # pgskip's publish statement: the INSERT plus the trigger's NOTIFY at commit.
+    for clients in (1,) if short else (1, 4):
+        reset(0, "pgskip.jobs")
+        load = quiet()
+        counts = _run_clients(_publish_client, [(raw_url, payload, seconds, sync)] * clients)
+        record(f"pgskip_publish_statement_{clients}c", counts, clients, load=load)
+    for clients in (1, 4):
+        go(
+            f"dequeue100_batch_ack_{clients}c",
+            _dequeue_client,
+            [(raw_url, seconds, 100, False, sync)] * clients,
+            prefill,
+        )
+    for clients in (1, 4):
+        go(
+            f"dequeue100_row_ack_{clients}c",
+            _dequeue_client,
+            [(raw_url, seconds, 100, True, sync)] * clients,
+            max(prefill // 8, 10_000),
+        )
+    if not short:
+        go(
+            "dequeue100_row_ack_1c_async_commit",
+            _dequeue_client,
+            [(raw_url, seconds, 100, True, async_)],
+            prefill,
+        )
+    # pgskip's own fetch/ack statements, one ack statement per fetched batch.
+    for clients in (1,) if short else (1, 4):
+        reset(prefill, "pgskip.jobs")
+        load = quiet()
+        counts = _run_clients(_store_client, [(raw_url, seconds, 100)] * clients)
+        record(f"pgskip_store_fetch100_batch_ack_{clients}c", counts, clients, load=load)
+    reset(0)
+    reset(0, "pgskip.jobs")
+    return out
+
+
+# -- raw kombu --------------------------------------------------------------------------------
+
+
+def kombu_publish_consume(
+    broker: Broker, *, seconds: float, consume_cap: float, consume: bool = True
+) -> dict[str, Any]:
+    """Publish durable messages for ``seconds``; then consume them (prefetch 100, ack each)."""
+    from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+    broker.reset()
+    name = f"bench.raw.{uuid.uuid4().hex[:8]}"
+    exchange = Exchange(name, "direct", durable=True)
+    queue = Queue(name, exchange, routing_key=name, durable=True)
+    body = {"i": 0, "pad": "x" * 200}
+    out: dict[str, Any] = {}
+    try:
+        with Connection(broker.publisher_url, transport_options=broker.transport_options) as conn:
+            chan = conn.channel()
+            queue(chan).declare()
+            producer = Producer(chan, exchange=exchange, routing_key=name, serializer="json")
+            for _ in range(20):
+                producer.publish(body, delivery_mode=2)
+            n = 20
+            t0 = time.perf_counter()
+            end = t0 + seconds
+            while time.perf_counter() < end:
+                body["i"] = n
+                producer.publish(body, delivery_mode=2)
+                n += 1
+            elapsed = time.perf_counter() - t0
+            out["publish_rate"] = (n - 20) / elapsed
+            out["published"] = n
+
+        if not consume:
+            return out
+        got = 0
+        first: float | None = None
+        last = 0.0
+
+        def on_message(_body: Any, message: Any) -> None:
+            nonlocal got, first, last
+            message.ack()
+            got += 1
+            last = time.perf_counter()
+            if first is None:
+                first = last
+
+        with Connection(broker.url, transport_options=broker.transport_options) as conn:
+            chan = conn.channel()
+            chan.basic_qos(0, 100, False)
+            with Consumer(chan, [queue], callbacks=[on_message], accept=["json"]):
+                t0 = time.perf_counter()
+                deadline = t0 + consume_cap
+                while got < n and time.perf_counter() < deadline:
+                    try:
+                        conn.drain_events(timeout=1.0)
+                    except TimeoutError:
+                        continue
+                    except Exception as exc:  # socket.timeout on some transports
+                        if "timed out" not in str(exc):
+                            raise
+        out["consumed"] = got
+        out["consume_rate"] = got / (last - t0) if got and last > t0 else None
+        if got < n:
+            out["note"] = f"consumed {got} of {n} within {consume_cap} s"
+        return out
+    finally:
+        broker.delete_queues([name])
