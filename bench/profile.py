@@ -1,7 +1,8 @@
 """Where pgskip's time goes: ``python -m bench.profile [--tasks N] [--out DIR]``.
 
 1. Worker side: a backlog of ``N`` tasks, then a ``-P threads -c 4`` worker drains it while
-   ``py-spy`` samples it (flame graph ``worker.svg`` and collapsed stacks ``worker.txt``), with
+   ``py-spy`` samples it (collapsed stacks in ``worker.txt``, summarised as the share of samples
+   per function in ``profile.json``; flamegraph.pl or inferno draw a flame graph from it), with
    ``pg_stat_statements`` and ``pg_stat_wal`` counting statements, rows and WAL flushes per task.
 2. Publisher: ``N`` durable ``apply_async`` calls under cProfile (``publisher.pstats``), with the
    same statement counts.
@@ -179,8 +180,6 @@ def main(argv: list[str] | None = None) -> int:
                 spy_proc.kill()
             if (out / "worker.txt").exists():
                 report["worker_top_frames"] = top_frames(out / "worker.txt")
-                # The same profile as a flame graph for people.
-                subprocess.run([spy, "record", "--help"], capture_output=True, check=False)
         worker.stop()
         stamps.cleanup()
 

@@ -514,14 +514,25 @@ def charts(data: dict[str, Any], out_dir: Path, dpi: int = 90) -> list[Path]:
     return made
 
 
+def _deep_update(into: dict[str, Any], new: dict[str, Any]) -> None:
+    """Replace measurements (dicts with ``runs``) one by one; keep the ones ``new`` lacks."""
+    for key, value in new.items():
+        old = into.get(key)
+        if isinstance(old, dict) and isinstance(value, dict) and "runs" not in value:
+            _deep_update(old, value)
+        else:
+            into[key] = value
+
+
 def merge(paths: list[Path]) -> dict[str, Any]:
-    """Several runs' JSON as one: a later file's measurements replace an earlier one's."""
+    """Several runs' JSON as one: a later file's measurements replace an earlier one's, one
+    measurement (broker, pool, ...) at a time."""
     data: dict[str, Any] = {"meta": {}, "results": {}, "errors": []}
     for path in paths:
         part = json.loads(path.read_text())
         if not data["meta"]:
             data["meta"] = dict(part.get("meta", {}))
-        data["results"].update(part.get("results", {}))
+        _deep_update(data["results"], part.get("results", {}))
         data["errors"] += part.get("errors", [])
         data["meta"].setdefault("merged_from", []).append(
             {
