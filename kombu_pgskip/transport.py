@@ -821,6 +821,7 @@ class Transport(virtual.Transport):
         # file descriptors it watches for us, and a drain already queued on it.
         self._loop: Any = None
         self._loop_fds: list[int] = []
+        self._poll_timer: Any = None
         self._drain_queued = False
 
     def __repr__(self) -> str:
@@ -1091,7 +1092,7 @@ class Transport(virtual.Transport):
             fd = listener.pgconn.socket
             loop.add_reader(fd, self._on_listener_readable)
             self._loop_fds.append(fd)
-        loop.call_repeatedly(self.options.polling_interval, self._on_poll_tick)
+        self._poll_timer = loop.call_repeatedly(self.options.polling_interval, self._on_poll_tick)
         self._queue_drain()
 
     def unregister_from_event_loop(self, connection: Any, loop: Any) -> None:
@@ -1100,6 +1101,9 @@ class Transport(virtual.Transport):
     def _leave_event_loop(self) -> None:
         loop, self._loop = self._loop, None
         fds, self._loop_fds = self._loop_fds, []
+        timer, self._poll_timer = self._poll_timer, None
+        if timer is not None:
+            timer.cancel()  # otherwise every reconnect would leave one more poll timer behind
         self._drain_queued = False
         if loop is None or self._pid != os.getpid():
             return
