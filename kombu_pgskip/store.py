@@ -271,17 +271,29 @@ class Store:
             "fetch_noack" if no_ack else "fetch",
             {"queues": list(queues), "limit": limit, "consumer": consumer},
         )
-        rows.sort(key=lambda r: (-r[6], r[7], r[0]))
-        return [
-            FetchedRow(
-                id=r[0],
-                queue=r[1],
-                payload=r[2] if isinstance(r[2], dict) else json.loads(r[2]),
-                redelivered=r[3],
-                attempts=r[4],
-            )
-            for r in rows
-        ]
+        return _fetched(rows)
+
+    def ack_fetch(
+        self,
+        tags: Sequence[tuple[int, int]],
+        queues: Sequence[str],
+        limit: int,
+        consumer: uuid.UUID,
+    ) -> tuple[int, list[FetchedRow]]:
+        """:meth:`ack` and :meth:`fetch` in one statement: (acks still ours, messages taken)."""
+        ids, attempts = _split(tags)
+        rows = self.execute(
+            "ack_fetch",
+            {
+                "ids": ids,
+                "attempts": attempts,
+                "queues": list(queues),
+                "limit": max(limit, 0),
+                "consumer": consumer,
+            },
+        )
+        acked = int(rows[0][0]) if rows else 0
+        return acked, _fetched([r[1:] for r in rows if r[1] is not None])
 
     def ack(self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID) -> int:
         """Mark (id, attempt) pairs completed; returns how many were still ours."""
@@ -416,6 +428,22 @@ class Store:
             "completed_last_minute",
         )
         return [dict(zip(cols, r, strict=True)) for r in self.execute("queue_stats", {})]
+
+
+def _fetched(rows: list[tuple[Any, ...]]) -> list[FetchedRow]:
+    """Rows of ``fetch`` (id, queue, payload, redelivered, attempts, expires_at, priority, rn)
+    in delivery order: priority first, then round-robin across queues."""
+    rows.sort(key=lambda r: (-r[6], r[7], r[0]))
+    return [
+        FetchedRow(
+            id=r[0],
+            queue=r[1],
+            payload=r[2] if isinstance(r[2], dict) else json.loads(r[2]),
+            redelivered=r[3],
+            attempts=r[4],
+        )
+        for r in rows
+    ]
 
 
 def _split(tags: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:

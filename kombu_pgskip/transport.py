@@ -35,6 +35,8 @@ Every consumer has a lease (a row in ``consumers``) that a heartbeat thread rene
 ``lease_seconds / 3``; a consumer that dies stops renewing, and after ``lease_seconds`` any live
 worker's sweeper (every ``sweep_interval``) puts its rows back to ``pending``. Acks are fenced by
 (consumer, delivery number): an ack from a consumer that lost its lease changes nothing.
+Acks wait for the consumer's next fetch and are written by the same statement (or on their
+own, at the latest by the heartbeat thread): a crash before that can only cause a redelivery.
 
 Workers wake at commit through LISTEN/NOTIFY, with a poll every ``polling_interval`` as fallback.
 The transport is asynchronous: a Celery worker runs its event loop (the LISTEN socket and a
@@ -102,6 +104,10 @@ from .store import FetchedRow, Store, notify_channel, scheduled_channel
 from .urls import build_url, connect, mask_url, to_conninfo
 
 logger = logging.getLogger(__name__)
+
+#: Seconds the event loop waits before a small refill (less than half the prefetch window free
+#: while the rest is still held): acks freeing more credit meanwhile make one larger fetch.
+REFILL_DELAY = 0.001
 
 
 @dataclass
@@ -230,6 +236,7 @@ class Channel(virtual.Channel):
         self.consumer_id = uuid.uuid4()
         self._ack_lock = threading.Lock()
         self._pending_acks: list[tuple[int, int]] = []
+        self._refill_deferred = False
         self._registered = False
         self._no_ack_queues: set[str] = set()
         # Queues this channel declared with auto_delete: dropped when it stops consuming them.
@@ -523,6 +530,8 @@ class Channel(virtual.Channel):
         self._credit_freed()  # a larger prefetch window: fetch more now
 
     def basic_cancel(self, consumer_tag: str) -> Any:
+        if self.owned_by_this_process and not self.closed:
+            self.flush_acks()  # later acks are written one by one once nothing is consumed
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
         if queue is not None and queue not in self._active_queues:
@@ -599,15 +608,30 @@ class Channel(virtual.Channel):
         self._registered = True
         self.connection._track_consumer(self)
 
-    def _fetch_batch(self) -> list[FetchedRow]:
-        """Fetch up to the free prefetch credit from the active queues."""
+    def _fetch_batch(self, *, eager: bool = True) -> list[FetchedRow]:
+        """Fetch up to the free prefetch credit from the active queues.
+
+        The acks queued since the last statement ride along with the fetch (one round trip).
+        Unless ``eager``, a small refill is put off while the consumer still holds at least
+        half its window: the event loop comes back after ``REFILL_DELAY`` (or when more credit
+        is freed) and fetches a larger batch, instead of one statement per finished task.
+        Sets ``self._refill_deferred`` when it put the fetch off.
+        """
+        self._refill_deferred = False
         if not self._consumers or not self._active_queues:
+            self.flush_acks()
             return []
         credit = self.qos.can_consume_max_estimate()
-        limit = (
-            self.options.fetch_limit if credit is None else min(credit, self.options.fetch_limit)
-        )
+        limit = self.options.fetch_limit
+        if credit is not None:
+            limit = min(credit, limit)
+            window = min(self.qos.prefetch_count, self.options.fetch_limit)
+            in_flight = self.qos.prefetch_count - credit
+            if not eager and 0 < limit < max(1, window // 2) and in_flight > 0:
+                self._refill_deferred = True
+                return []
         if limit <= 0:
+            self.flush_acks()
             return []
         queues = list(dict.fromkeys(self._active_queues))
         self._ensure_registered(queues)
@@ -617,38 +641,58 @@ class Channel(virtual.Channel):
         if noack_queues:
             out += self.consumer_store.fetch(noack_queues, limit, self.consumer_id, no_ack=True)
         if ack_queues and len(out) < limit:
-            out += self.consumer_store.fetch(ack_queues, limit - len(out), self.consumer_id)
+            pairs = self._take_acks()
+            if pairs:
+                done, rows = self.consumer_store.ack_fetch(
+                    pairs, ack_queues, limit - len(out), self.consumer_id
+                )
+                self._acks_written(len(pairs), done)
+                out += rows
+            else:
+                out += self.consumer_store.fetch(ack_queues, limit - len(out), self.consumer_id)
+        else:
+            self.flush_acks()
         return out
 
     def _batching_acks(self) -> bool:
-        transport = self.connection
-        return (
-            transport is not None
-            and transport._loop is not None
-            and self.owned_by_this_process
-            and not self.closed
-        )
+        """Acks wait for the next fetch (or flush) while this channel consumes in this process.
+
+        They are written by the next fetch, the event loop's next turn, the next
+        ``drain_events`` call, the channel's close, or at the latest the heartbeat thread's
+        next beat. An ack lost in a crash before it is written only causes a redelivery.
+        """
+        return self.owned_by_this_process and not self.closed and bool(self._consumers)
 
     def _queue_ack(self, delivery_tag: Any) -> None:
         pair = parse_tag(delivery_tag)
         with self._ack_lock:
             self._pending_acks.append(pair)
 
-    def flush_acks(self) -> int:
-        """Write the acks queued since the last flush, in one statement; returns how many."""
+    def _take_acks(self) -> list[tuple[int, int]]:
         with self._ack_lock:
             pairs, self._pending_acks = self._pending_acks, []
+        return pairs
+
+    def flush_acks(self, store: Store | None = None) -> int:
+        """Write the acks queued since the last flush, in one statement; returns how many.
+
+        ``store`` lets the heartbeat thread write them on its own connection.
+        """
+        pairs = self._take_acks()
         if not pairs:
             return 0
-        done = self.connection.consumer_store.ack(pairs, self.consumer_id)
-        if done < len(pairs):
+        done = (store or self.connection.consumer_store).ack(pairs, self.consumer_id)
+        self._acks_written(len(pairs), done)
+        return len(pairs)
+
+    def _acks_written(self, sent: int, done: int) -> None:
+        if done < sent:
             logger.warning(
                 "ack of %d messages changed nothing: this consumer's lease was taken away and "
                 "the messages were handed to another consumer",
-                len(pairs) - done,
+                sent - done,
                 extra={"action": "ack_fenced", "consumer": str(self.consumer_id)},
             )
-        return len(pairs)
 
     def _credit_freed(self) -> None:
         transport = self.connection
@@ -734,6 +778,9 @@ class _Heartbeat(threading.Thread):
         channels = self.transport._consumer_channels()
         if not channels:
             return
+        for channel in channels:
+            # Acks of a consumer that has stopped calling drain_events would otherwise wait.
+            channel.flush_acks(self.store)
         ids = [c.consumer_id for c in channels]
         alive = self.store.renew_consumers(ids, opts.lease_seconds)
         for channel in channels:
@@ -823,6 +870,9 @@ class Transport(virtual.Transport):
         self._loop_fds: list[int] = []
         self._poll_timer: Any = None
         self._drain_queued = False
+        # A small refill put off until more prefetch credit is free (see _async_drain).
+        self._refill_deferred = False
+        self._refill_queued = False
 
     def __repr__(self) -> str:
         return f"<pgskip Transport {mask_url(self.url)}>"
@@ -956,21 +1006,31 @@ class Transport(virtual.Transport):
                 wait = min(wait, deadline - now)
             self._wait(wait)
 
-    def _deliver_batch(self, only: set[str] | None = None) -> bool:
-        """Fetch and deliver one batch per consuming channel (those consuming ``only``)."""
+    def _deliver_batch(self, only: set[str] | None = None, *, eager: bool = True) -> bool:
+        """Fetch and deliver one batch per consuming channel (those consuming ``only``).
+
+        Unless ``eager``, a channel may put a small refill off (see ``Channel._fetch_batch``);
+        ``self._refill_deferred`` then says so.
+        """
         delivered = False
+        deferred = False
         # Channels with no-ack consumers first: remote control (a revoke, a rate limit) is
         # handled before task messages published after it, as Celery expects.
         for channel in sorted(self.channels, key=lambda c: not c._no_ack_queues):
-            if channel.closed or not channel._consumers:
+            if channel.closed:
                 continue
-            if only is not None and only.isdisjoint(channel._active_queues):
+            if not channel._consumers or (
+                only is not None and only.isdisjoint(channel._active_queues)
+            ):
+                channel.flush_acks()
                 continue
             # A callback that raises leaves its message running under this consumer: the
             # channel's restore on close, or the sweeper, returns it to the queue.
-            for row in channel._fetch_batch():
+            for row in channel._fetch_batch(eager=eager):
                 delivered = True
                 self._deliver(to_message(row), row.queue)
+            deferred = deferred or channel._refill_deferred
+        self._refill_deferred = deferred
         return delivered
 
     def _promote(self, now: float) -> None:
@@ -1105,6 +1165,7 @@ class Transport(virtual.Transport):
         if timer is not None:
             timer.cancel()  # otherwise every reconnect would leave one more poll timer behind
         self._drain_queued = False
+        self._refill_queued = False
         if loop is None or self._pid != os.getpid():
             return
         for fd in fds:
@@ -1149,12 +1210,17 @@ class Transport(virtual.Transport):
         if self._loop is not None:
             self._async_drain()
 
-    def _async_drain(self, only: set[str] | None = None, max_batches: int = 10) -> None:
-        """Promote due messages and deliver, up to ``max_batches`` batches per loop turn."""
+    def _async_drain(
+        self, only: set[str] | None = None, max_batches: int = 10, *, eager: bool = False
+    ) -> None:
+        """Promote due messages and deliver, up to ``max_batches`` batches per loop turn.
+
+        Acks queued since the last turn are written with the first fetch (or on their own).
+        A small refill put off by a channel is retried, eagerly, ``REFILL_DELAY`` later.
+        """
         self._drain_queued = False
         if self._loop is None:
             return
-        self._flush_acks()
         now = time.monotonic()
         if now >= self._next_promote:
             self._promote(now)
@@ -1164,15 +1230,18 @@ class Transport(virtual.Transport):
                 # Due before the next poll: come back on time.
                 self._loop.call_later(max(0.0, due_in), self._async_drain)
         for _ in range(max_batches):
-            if not self._deliver_batch(only):
+            delivered = self._deliver_batch(only, eager=eager)
+            if self._refill_deferred and not self._refill_queued:
+                self._refill_queued = True
+                self._loop.call_later(REFILL_DELAY, self._refill)
+            if not delivered:
                 return
             only = None
         self._queue_drain()  # more to fetch: go on after the loop has served others
 
-    def _flush_acks(self) -> None:
-        for channel in list(self.channels):
-            if not channel.closed:
-                channel.flush_acks()
+    def _refill(self) -> None:
+        self._refill_queued = False
+        self._async_drain(eager=True)
 
     def _consumed_queues(self) -> set[str]:
         queues: set[str] = set()

@@ -1,4 +1,9 @@
-"""Loads ``queries.sql``: every runtime statement by name, with the schema substituted."""
+"""Loads the named SQL files of this package: every runtime statement by name.
+
+A file is a series of blocks, each headed ``-- name: one-line description``. ``{schema}`` in a
+block stands for the quoted schema identifier; ``{@other}`` includes the text of block
+``other`` of the same file (a fragment several statements share, e.g. the due-message pick).
+"""
 
 from __future__ import annotations
 
@@ -9,41 +14,32 @@ from importlib import resources
 from psycopg import sql
 
 _BLOCK = re.compile(r"^-- ([a-z_]+): (.*)$", re.MULTILINE)
-
-
-@functools.cache
-def raw_queries() -> dict[str, str]:
-    """name -> SQL text with the ``{schema}`` placeholder."""
-    text = resources.files(__package__).joinpath("queries.sql").read_text(encoding="utf-8")
-    matches = list(_BLOCK.finditer(text))
-    queries: dict[str, str] = {}
-    for i, match in enumerate(matches):
-        end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
-        body = text[match.end() : end].strip().rstrip(";").strip()
-        queries[match.group(1)] = body
-    return queries
-
-
-@functools.cache
-def queries_for(schema: str) -> dict[str, sql.Composed]:
-    """name -> statement with ``{schema}`` bound to the quoted identifier."""
-    ident = sql.Identifier(schema)
-    return {
-        name: sql.SQL(body).format(schema=ident)  # type: ignore[arg-type,unused-ignore]
-        for name, body in raw_queries().items()
-    }
+_INCLUDE = re.compile(r"\{@([a-z_]+)\}")
 
 
 @functools.cache
 def raw_queries_in(filename: str) -> dict[str, str]:
-    """name -> SQL text of another file of named blocks in this package (e.g. ``periodic.sql``)."""
+    """name -> SQL text (includes expanded, ``{schema}`` left in) of a file of named blocks."""
     text = resources.files(__package__).joinpath(filename).read_text(encoding="utf-8")
     matches = list(_BLOCK.finditer(text))
-    queries: dict[str, str] = {}
+    blocks: dict[str, str] = {}
     for i, match in enumerate(matches):
         end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
-        queries[match.group(1)] = text[match.end() : end].strip().rstrip(";").strip()
-    return queries
+        blocks[match.group(1)] = text[match.end() : end].strip().rstrip(";").strip()
+
+    def expand(name: str, seen: tuple[str, ...] = ()) -> str:
+        if name in seen:
+            raise ValueError(f"{filename}: block {name!r} includes itself")
+        if name not in blocks:
+            raise ValueError(f"{filename}: no block named {name!r} to include")
+        return _INCLUDE.sub(lambda m: expand(m.group(1), (*seen, name)), blocks[name])
+
+    return {name: expand(name) for name in blocks}
+
+
+def raw_queries() -> dict[str, str]:
+    """name -> SQL text of ``queries.sql`` with the ``{schema}`` placeholder."""
+    return raw_queries_in("queries.sql")
 
 
 @functools.cache
@@ -51,6 +47,11 @@ def queries_in(filename: str, schema: str) -> dict[str, sql.Composed]:
     """name -> statement of ``filename`` with ``{schema}`` bound to the quoted identifier."""
     ident = sql.Identifier(schema)
     return {
-        name: sql.SQL(body).format(schema=ident)
+        name: sql.SQL(body).format(schema=ident)  # type: ignore[arg-type,unused-ignore]
         for name, body in raw_queries_in(filename).items()
     }
+
+
+def queries_for(schema: str) -> dict[str, sql.Composed]:
+    """name -> statement of ``queries.sql`` with ``{schema}`` bound to the quoted identifier."""
+    return queries_in("queries.sql", schema)

@@ -16,25 +16,26 @@ SELECT %(queue)s,
        now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0)
 RETURNING id;
 
+-- due: (fragment, included as {@due}) up to limit due messages of the given queues, locked, round-robin across queues in delivery order
+SELECT x.id, x.priority,
+       row_number() OVER (PARTITION BY x.queue ORDER BY x.priority DESC, x.run_at, x.id) AS rn
+  FROM unnest(%(queues)s::text[]) AS q(name)
+  CROSS JOIN LATERAL (
+        SELECT id, queue, priority, run_at
+          FROM {schema}.jobs
+         WHERE jobs.queue = q.name
+           AND status = 'pending'
+           AND run_at <= now()
+           AND (expires_at IS NULL OR expires_at > now())
+         ORDER BY priority DESC, run_at, id
+         LIMIT %(limit)s
+           FOR UPDATE SKIP LOCKED
+  ) AS x
+ ORDER BY x.priority DESC, rn
+ LIMIT %(limit)s
+
 -- fetch: take up to limit due messages from the given queues, round-robin across queues, mark them running
-WITH picked AS (
-    SELECT x.id, x.priority,
-           row_number() OVER (PARTITION BY x.queue ORDER BY x.priority DESC, x.run_at, x.id) AS rn
-      FROM unnest(%(queues)s::text[]) AS q(name)
-      CROSS JOIN LATERAL (
-            SELECT id, queue, priority, run_at
-              FROM {schema}.jobs
-             WHERE jobs.queue = q.name
-               AND status = 'pending'
-               AND run_at <= now()
-               AND (expires_at IS NULL OR expires_at > now())
-             ORDER BY priority DESC, run_at, id
-             LIMIT %(limit)s
-               FOR UPDATE SKIP LOCKED
-      ) AS x
-     ORDER BY x.priority DESC, rn
-     LIMIT %(limit)s
-)
+WITH picked AS ({@due})
 UPDATE {schema}.jobs AS jobs
    SET status = 'running', locked_by = %(consumer)s, locked_at = now(), attempts = jobs.attempts + 1
   FROM picked
@@ -42,25 +43,29 @@ UPDATE {schema}.jobs AS jobs
 RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts, jobs.expires_at,
           picked.priority, picked.rn;
 
--- fetch_noack: take and delete up to limit due messages (no-ack consumers: remote control, events)
-WITH picked AS (
-    SELECT x.id, x.priority,
-           row_number() OVER (PARTITION BY x.queue ORDER BY x.priority DESC, x.run_at, x.id) AS rn
-      FROM unnest(%(queues)s::text[]) AS q(name)
-      CROSS JOIN LATERAL (
-            SELECT id, queue, priority, run_at
-              FROM {schema}.jobs
-             WHERE jobs.queue = q.name
-               AND status = 'pending'
-               AND run_at <= now()
-               AND (expires_at IS NULL OR expires_at > now())
-             ORDER BY priority DESC, run_at, id
-             LIMIT %(limit)s
-               FOR UPDATE SKIP LOCKED
-      ) AS x
-     ORDER BY x.priority DESC, rn
-     LIMIT %(limit)s
+-- ack_fetch: ack delivered messages (fenced, as ack) and fetch (as fetch) in one round trip; every row starts with how many acks were still ours, and a lone row with no message says nothing was due
+WITH acked AS (
+    UPDATE {schema}.jobs AS jobs
+       SET status = 'completed', finished_at = now(), locked_by = NULL
+      FROM unnest(%(ids)s::bigint[], %(attempts)s::integer[]) AS a(id, attempts)
+     WHERE jobs.id = a.id AND jobs.attempts = a.attempts
+       AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
+    RETURNING jobs.id
+), picked AS ({@due}), taken AS (
+    UPDATE {schema}.jobs AS jobs
+       SET status = 'running', locked_by = %(consumer)s, locked_at = now(),
+           attempts = jobs.attempts + 1
+      FROM picked
+     WHERE jobs.id = picked.id
+    RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts, jobs.expires_at,
+              picked.priority, picked.rn
 )
+SELECT a.n, t.id, t.queue, t.payload, t.redelivered, t.attempts, t.expires_at, t.priority, t.rn
+  FROM (SELECT count(*) AS n FROM acked) AS a
+  LEFT JOIN taken AS t ON true;
+
+-- fetch_noack: take and delete up to limit due messages (no-ack consumers: remote control, events)
+WITH picked AS ({@due})
 DELETE FROM {schema}.jobs AS jobs
  USING picked
  WHERE jobs.id = picked.id

@@ -3,6 +3,7 @@ connection, publishes stay durable."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import psycopg
@@ -88,3 +89,85 @@ def test_pending_acks_are_written_when_the_channel_closes(db_url: str) -> None:
         hub.close()
         channel.close()
     assert _statuses(db_url) == ["completed"]
+
+
+def _publish(conn: Connection, queue: Queue, n: int) -> None:
+    producer = Producer(conn.channel())
+    for i in range(n):
+        producer.publish(
+            {"i": i}, exchange=queue.exchange, routing_key=queue.routing_key, declare=[queue]
+        )
+
+
+def test_blocking_consumer_acks_ride_along_with_the_next_fetch(db_url: str) -> None:
+    queue = Queue("blocking", Exchange("blocking"), "blocking")
+    with Connection(_broker(db_url)) as conn:
+        _publish(conn, queue, 3)
+        received: list[object] = []
+        channel = conn.channel()
+        Consumer(
+            channel, [queue], callbacks=[lambda body, m: received.append(m)], prefetch_count=2
+        ).consume()
+        conn.drain_events(timeout=5)
+        assert len(received) == 2
+        for message in received:
+            message.ack()  # type: ignore[attr-defined]
+        assert _statuses(db_url) == ["running", "running", "pending"], "acks wait"
+        conn.drain_events(timeout=5)  # one statement: the two acks, and the third message
+        assert len(received) == 3
+        assert _statuses(db_url) == ["completed", "completed", "running"]
+        received[2].ack()  # type: ignore[attr-defined]
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=0.2)  # nothing left: the ack is written before waiting
+        assert _statuses(db_url) == ["completed"] * 3
+
+
+def test_a_small_refill_waits_for_more_credit_on_an_event_loop(db_url: str) -> None:
+    queue = Queue("refill", Exchange("refill"), "refill")
+    with Connection(_broker(db_url)) as conn:
+        _publish(conn, queue, 12)
+        received: list[object] = []
+        hub = Hub()
+        try:
+            channel = conn.channel()
+            Consumer(
+                channel, [queue], callbacks=[lambda body, m: received.append(m)], prefetch_count=8
+            ).consume()
+            transport = conn.transport
+            transport.register_with_event_loop(conn.connection, hub)
+            deadline = time.monotonic() + 10
+            while len(received) < 8 and time.monotonic() < deadline:
+                hub.run_once()
+            assert len(received) == 8
+            received[0].ack()  # type: ignore[attr-defined]
+            # One slot of eight free while seven are held: the fetch (and the ack with it)
+            # is put off rather than sent for a single message.
+            transport._async_drain()
+            assert len(received) == 8
+            assert _statuses(db_url).count("running") == 8
+            for message in received[1:4]:
+                message.ack()  # type: ignore[attr-defined]
+            transport._async_drain()  # half the window free: fetch now, acks included
+            assert len(received) == 12
+            assert _statuses(db_url).count("completed") == 4
+            received[4].ack()  # type: ignore[attr-defined]
+            transport._refill()  # what the loop runs REFILL_DELAY after a deferral
+            assert _statuses(db_url).count("completed") == 5
+        finally:
+            conn.transport.unregister_from_event_loop(conn.connection, hub)
+            hub.close()
+
+
+def test_the_heartbeat_writes_acks_of_a_consumer_that_stopped_draining(db_url: str) -> None:
+    queue = Queue("idle", Exchange("idle"), "idle")
+    with Connection(_broker(db_url), transport_options={"lease_seconds": 3}) as conn:
+        _publish(conn, queue, 1)
+        received: list[object] = []
+        Consumer(conn.channel(), [queue], callbacks=[lambda body, m: received.append(m)]).consume()
+        conn.drain_events(timeout=5)
+        received[0].ack()  # type: ignore[attr-defined]
+        assert _statuses(db_url) == ["running"]
+        deadline = time.monotonic() + 5  # the heartbeat beats every lease_seconds / 3
+        while _statuses(db_url) != ["completed"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _statuses(db_url) == ["completed"]
