@@ -355,3 +355,45 @@ def kombu_publish_consume(
         return out
     finally:
         broker.delete_queues([name])
+
+
+def bulk_publish(broker: Broker, *, seconds: float, batch_size: int = 1000) -> dict[str, Any]:
+    """pgskip's bulk path: ``publish_many`` of ``batch_size`` messages per durable commit for
+    ``seconds``, and ``apply_many`` of Celery tasks (each message built by ``apply_async``)."""
+    from kombu import Connection, Exchange, Producer, Queue
+
+    from kombu_pgskip import apply_many, publish_many
+
+    from .workers import publisher_app
+
+    broker.reset()
+    name = f"bench.bulk.{uuid.uuid4().hex[:8]}"
+    exchange = Exchange(name, "direct", durable=True)
+    queue = Queue(name, exchange, routing_key=name, durable=True)
+    bodies = [{"i": i, "pad": "x" * 200} for i in range(batch_size)]
+    out: dict[str, Any] = {"batch_size": batch_size}
+    try:
+        with Connection(broker.publisher_url, transport_options=broker.transport_options) as conn:
+            chan = conn.channel()
+            queue(chan).declare()
+            producer = Producer(chan, exchange=exchange, routing_key=name, serializer="json")
+            publish_many(producer, bodies[:10], delivery_mode=2)
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() < t0 + seconds:
+                n += len(publish_many(producer, bodies, delivery_mode=2))
+            out["publish_many_rate"] = n / (time.perf_counter() - t0)
+            out["publish_many_messages"] = n
+        app = publisher_app(broker, name)
+        try:
+            task = app.tasks["bench.noop"]
+            apply_many(task.s(i=-1) for _ in range(10))
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() < t0 + seconds:
+                n += len(apply_many(task.s(i=i) for i in range(batch_size)))
+            out["apply_many_rate"] = n / (time.perf_counter() - t0)
+            out["apply_many_tasks"] = n
+        finally:
+            app.close()
+        return out
+    finally:
+        broker.delete_queues([name])

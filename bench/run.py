@@ -161,11 +161,14 @@ class Runner:
                     consume=b.name != "pgskip-async",
                 ),
             )
-        out["bulk_publish"] = {
-            "status": "not available yet",
-            "why": "kombu_pgskip has no publish_many / bulk publish API; the transport "
-            "inserts one row per statement",
-        }
+        pg = self.broker("pgskip")
+        if pg is not None:
+            from .raw import bulk_publish
+
+            log("bulk publish (publish_many, apply_many): pgskip")
+            out["bulk_publish"] = self.repeat(
+                "bulk_publish", lambda: bulk_publish(pg, seconds=self.mode.raw_seconds)
+            )
         self.results["raw_kombu"] = out
 
     def publish_breakdown(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
+from .bulk import apply_many, apply_many_in, batch, publish_many
 from .exceptions import (
     ConfigurationError,
     ConnectionClosed,
@@ -60,8 +61,12 @@ __all__ = [
     "TransactionalEnqueueError",
     "UnsupportedCanvas",
     "apply_async_in",
+    "apply_many",
+    "apply_many_in",
+    "batch",
     "mask_url",
     "migrate",
+    "publish_many",
     "register",
     "send_task_in",
 ]

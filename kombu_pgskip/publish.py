@@ -54,7 +54,7 @@ import functools
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from functools import cached_property
 from typing import Any
@@ -73,7 +73,7 @@ from . import exceptions
 from .adapters import Adapter, Query, adapt, pyformat_text, quote_ident
 from .migrate import latest_version
 from .sql import queries_for, raw_queries
-from .store import Store
+from .store import NewMessage, Store, publish_chunks
 from .transport import Channel, Options, Transport
 from .urls import Connection
 
@@ -130,6 +130,10 @@ class _CallerStore(Store):
 
     def close(self) -> None:
         """Never close the caller's connection: it is not ours."""
+
+    def publish_many(self, messages: Sequence[NewMessage]) -> list[int]:
+        """As :meth:`Store.publish_many`; the caller's transaction makes the chunks atomic."""
+        return [i for chunk in publish_chunks(messages) for i in self._publish_chunk(chunk)]
 
     def run(self, query: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         known = _statement_texts(self.schema).get(id(query))

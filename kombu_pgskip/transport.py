@@ -87,7 +87,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from functools import cached_property
 from queue import Empty
@@ -100,7 +101,7 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from . import exceptions
 from .envelope import parse_tag, to_message, to_routed_row, to_row, validate_queue_name
-from .store import FetchedRow, Store, notify_channel, scheduled_channel
+from .store import FetchedRow, NewMessage, Store, notify_channel, scheduled_channel
 from .urls import build_url, connect, mask_url, to_conninfo
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,17 @@ class Options:
             )
         if self.eta_threshold < 0:
             raise exceptions.ConfigurationError("transport option eta_threshold must be >= 0")
+
+
+@dataclass
+class _Collected:
+    """A publish buffered by :meth:`Channel.collecting`: to ``row.queue``, or (``exchange``
+    set) to every queue the exchange routes ``routing_key`` to, plus ``local`` ones."""
+
+    row: NewMessage
+    exchange: str | None = None
+    routing_key: str = ""
+    local: tuple[str, ...] = ()
 
 
 class QoS(virtual.QoS):
@@ -237,6 +249,7 @@ class Channel(virtual.Channel):
         self._ack_lock = threading.Lock()
         self._pending_acks: list[tuple[int, int]] = []
         self._refill_deferred = False
+        self._collected: list[_Collected] | None = None
         self._registered = False
         self._no_ack_queues: set[str] = set()
         # Queues this channel declared with auto_delete: dropped when it stops consuming them.
@@ -269,7 +282,52 @@ class Channel(virtual.Channel):
             eta_threshold=self.options.eta_threshold,
             max_message_size=self.options.max_message_size,
         )
-        self.store.publish(row)
+        if self._collected is not None:
+            self._collected.append(_Collected(row))
+        else:
+            self.store.publish(row)
+
+    @contextmanager
+    def collecting(self) -> Iterator[list[int]]:
+        """Buffer every publish in the block; write them all with one statement at its end.
+
+        Yields a list that holds the new rows' ids once the block has ended. A block that
+        raises writes nothing. Routing through exchanges is resolved at the end, once per
+        (exchange, routing key). A nested block writes with the outermost one (its list stays
+        empty). See :func:`kombu_pgskip.bulk.batch`.
+        """
+        ids: list[int] = []
+        if self._collected is not None:
+            yield ids
+            return
+        self._collected = []
+        try:
+            yield ids
+            collected = self._collected
+        finally:
+            self._collected = None
+        ids.extend(self._write_collected(collected))
+
+    def _write_collected(self, collected: list[_Collected]) -> list[int]:
+        routes: dict[tuple[str, str], list[str]] = {}
+        rows: list[NewMessage] = []
+        for item in collected:
+            if item.exchange is None:
+                rows.append(item.row)
+                continue
+            key = (item.exchange, item.routing_key)
+            if key not in routes:
+                routes[key] = self.store.route(*key)
+            targets = sorted({*item.local, *routes[key]})
+            if not targets and self.deadletter_queue:
+                targets = [self.deadletter_queue]
+            row = item.row
+            rows.extend(row.to(queue) for queue in targets)
+        return self.store.publish_many(rows) if rows else []
+
+    def create_publish_batch(self, max_size: int) -> PublishBatch:
+        """kombu's ``Producer.batch()``: publishes buffered, written ``max_size`` at a time."""
+        return PublishBatch(self, max_size)
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         validate_queue_name(queue)
@@ -479,11 +537,12 @@ class Channel(virtual.Channel):
             eta_threshold=self.options.eta_threshold,
             max_message_size=self.options.max_message_size,
         )
+        local = self._local_targets(exchange, routing_key or "")
+        if self._collected is not None:
+            self._collected.append(_Collected(row, exchange, routing_key or "", tuple(local)))
+            return
         written = self.store.publish_routed(
-            row,
-            exchange=exchange,
-            routing_key=routing_key or "",
-            queues=self._local_targets(exchange, routing_key or ""),
+            row, exchange=exchange, routing_key=routing_key or "", queues=local
         )
         if not written and self.deadletter_queue:
             self._put(self.deadletter_queue, message, **kwargs)
@@ -730,6 +789,45 @@ class Channel(virtual.Channel):
 PgChannel = Channel  # the name ``Channel`` is shadowed inside Transport's body
 
 
+class PublishBatch:
+    """kombu 5.7's transport-owned publish batch (``with producer.batch(max_size): ...``).
+
+    Messages are routed as they are published and written by one statement per ``max_size``
+    messages (an automatic flush) and at the end of the block; a block that raises discards
+    what was not flushed yet, as kombu specifies. For all-or-nothing over any number of
+    messages, use :func:`kombu_pgskip.batch` instead.
+    """
+
+    def __init__(self, channel: Channel, max_size: int) -> None:
+        self.channel = channel
+        self.max_size = max_size
+        self._items: list[_Collected] = []
+
+    def publish(self, message: dict[str, Any], **kwargs: Any) -> None:
+        channel = self.channel
+        if channel._collected is not None:  # inside kombu_pgskip.batch(): that block writes
+            channel.basic_publish(message, **kwargs)
+            return
+        channel._collected = self._items
+        try:
+            channel.basic_publish(message, **kwargs)
+        finally:
+            channel._collected = None
+        if len(self._items) >= self.max_size:
+            self.flush()
+
+    def flush(self) -> None:
+        items, self._items = self._items, []
+        if items:
+            self.channel._write_collected(items)
+
+    def discard(self) -> None:
+        self._items = []
+
+    def close(self) -> None:
+        self._items = []
+
+
 def _close_quietly(conn: psycopg.Connection[Any]) -> None:
     """Close ``conn``, ignoring errors (it is already broken)."""
     try:
@@ -837,6 +935,8 @@ class Transport(virtual.Transport):
         # thread never blocks on a busy prefork pool, so remote control, heartbeats and events
         # keep flowing while every pool process is busy.
         asynchronous=True,
+        # Producer.batch(): many publishes, one INSERT (Channel.create_publish_batch).
+        batch_publish=True,
         exchange_type=frozenset(["direct", "topic", "fanout"]),
         heartbeats=False,
     )

@@ -16,6 +16,25 @@ SELECT %(queue)s,
        now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0)
 RETURNING id;
 
+-- publish_many: insert many messages in one statement, given as one JSON array of rows (queue, priority, status, run_at, payload, task_name, task_id, ttl_ms); priority clamped and TTL applied per queue as publish does; returns the ids in order
+INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
+SELECT m.queue,
+       LEAST(m.priority, COALESCE(q.max_priority, 255)),
+       m.status::{schema}.job_status,
+       COALESCE(m.run_at, now()),
+       m.payload,
+       m.task_name,
+       m.task_id,
+       now() + make_interval(secs => LEAST(m.ttl_ms, q.message_ttl) / 1000.0)
+  FROM ROWS FROM (json_to_recordset(%(rows)s::json)
+                  AS (queue text, priority integer, status text, run_at timestamptz,
+                      payload json, task_name text, task_id text, ttl_ms bigint))
+       WITH ORDINALITY AS m(queue, priority, status, run_at, payload, task_name, task_id,
+                            ttl_ms, n)
+  LEFT JOIN {schema}.queues AS q ON q.name = m.queue
+ ORDER BY m.n
+RETURNING id;
+
 -- due: (fragment, included as {@due}) up to limit due messages of the given queues, locked, round-robin across queues in delivery order
 SELECT x.id, x.priority,
        row_number() OVER (PARTITION BY x.queue ORDER BY x.priority DESC, x.run_at, x.id) AS rn

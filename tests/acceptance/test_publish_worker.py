@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from celery import Celery
 
-from kombu_pgskip import apply_async_in, send_task_in
+from kombu_pgskip import apply_async_in, apply_many, apply_many_in, send_task_in
 from tests.helpers import REPO_ROOT, CeleryWorker
 from tests.publish_support import Rollback, broker_url, cloned_database, jobs
 
@@ -123,6 +123,24 @@ def test_rolled_back_job_never_runs(db: str, worker: CeleryWorker, app: Celery) 
     time.sleep(0.5)
     assert gone not in _events(db, [gone])
     assert not any(gone in j.payload["headers"]["argsrepr"] for j in jobs(db))
+
+
+def test_bulk_enqueued_jobs_run_exactly_once(db: str, worker: CeleryWorker, app: Celery) -> None:
+    prefix = f"many-{uuid.uuid4().hex[:6]}"
+    committed = [f"{prefix}-c{i}" for i in range(150)]
+    direct = [f"{prefix}-d{i}" for i in range(150)]
+    with psycopg.connect(db) as conn:
+        with pytest.raises(Rollback), conn.transaction():
+            apply_many_in(conn, [app.signature("taskapp.record", args=(f"{prefix}-gone",))])
+            raise Rollback
+        with conn.transaction():
+            apply_many_in(conn, [app.signature("taskapp.record", args=(k,)) for k in committed])
+    apply_many(app.signature("taskapp.record", args=(k,)) for k in direct)
+    _wait_for(_finished(db, committed + direct), 60, "the bulk-enqueued tasks to finish", worker)
+    time.sleep(0.5)
+    events = _events(db, [*committed, *direct, f"{prefix}-gone"])
+    assert f"{prefix}-gone" not in events
+    assert all(len(events[k]["start"]) == 1 for k in committed + direct)
 
 
 @pytest.mark.slow
