@@ -319,6 +319,18 @@ class Runner:
             ),
             runs=1,
         )
+        log(f"steady state with autovacuum_naptime = 10s: {self.mode.steady_messages} messages")
+        self.results["steady_state_naptime10s"] = self.repeat(
+            "steady_state_naptime10s",
+            lambda: steady_state(
+                pg,
+                payload,
+                messages=self.mode.steady_messages,
+                retention=self.mode.steady_retention,
+                autovacuum_naptime="10s",
+            ),
+            runs=1,
+        )
 
     def run(self) -> None:
         for name in ALL:

@@ -20,6 +20,7 @@ import uuid
 from typing import Any
 
 import psycopg
+import psycopg.sql
 
 from .brokers import Broker
 from .common import log, percentile
@@ -128,12 +129,34 @@ def _sizes(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     }
 
 
+def _set_naptime(conn: psycopg.Connection[Any], naptime: str | None) -> None:
+    if naptime is None:
+        conn.execute("ALTER SYSTEM RESET autovacuum_naptime")
+    else:
+        conn.execute(
+            psycopg.sql.SQL("ALTER SYSTEM SET autovacuum_naptime = {}").format(
+                psycopg.sql.Literal(naptime)
+            )
+        )
+    conn.execute("SELECT pg_reload_conf()")
+    time.sleep(0.5)
+
+
 def steady_state(
-    pgskip: Broker, payload: str, *, messages: int, retention: float
+    pgskip: Broker,
+    payload: str,
+    *,
+    messages: int,
+    retention: float,
+    autovacuum_naptime: str | None = None,
 ) -> dict[str, Any]:
+    """``autovacuum_naptime``: run with this server setting (the bench's own cluster), as
+    docs/performance.md advises for queue workloads; None keeps PostgreSQL's default (1min)."""
     url = pgskip.db_url or ""
     pgskip.reset()
     with psycopg.connect(url, autocommit=True) as conn:
+        _set_naptime(conn, autovacuum_naptime)
+        conn.execute("TRUNCATE pgskip.jobs")  # start from an empty file, whatever ran before
         conn.execute("VACUUM ANALYZE pgskip.jobs")
         row = conn.execute("SELECT to_regproc('pgskip.prune') IS NOT NULL").fetchone()
     has_prune = bool(row and row[0])
@@ -225,7 +248,10 @@ def steady_state(
         "end": end_sizes,
         "samples": samples,
         "fetch_curve": curve,
+        "autovacuum_naptime": autovacuum_naptime or "default (1min)",
     }
+    with psycopg.connect(url, autocommit=True) as conn:
+        _set_naptime(conn, None)
     log(
         f"steady state: {done.value} messages in {elapsed:.0f} s, max total "
         f"{out['max_total_mb']} MB, probe {probe_start['fetch100_ms_p50']:.2f} -> "
