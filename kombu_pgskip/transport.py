@@ -249,6 +249,7 @@ class Channel(virtual.Channel):
         self._ack_lock = threading.Lock()
         self._pending_acks: list[tuple[int, int]] = []
         self._refill_deferred = False
+        self._more_due = False
         self._collected: list[_Collected] | None = None
         self._registered = False
         self._no_ack_queues: set[str] = set()
@@ -674,9 +675,11 @@ class Channel(virtual.Channel):
         Unless ``eager``, a small refill is put off while the consumer still holds at least
         half its window: the event loop comes back after ``REFILL_DELAY`` (or when more credit
         is freed) and fetches a larger batch, instead of one statement per finished task.
-        Sets ``self._refill_deferred`` when it put the fetch off.
+        Sets ``self._refill_deferred`` when it put the fetch off, and ``self._more_due`` when
+        the fetch filled its whole limit (so more messages may be due right now).
         """
         self._refill_deferred = False
+        self._more_due = False
         if not self._consumers or not self._active_queues:
             self.flush_acks()
             return []
@@ -711,6 +714,7 @@ class Channel(virtual.Channel):
                 out += self.consumer_store.fetch(ack_queues, limit - len(out), self.consumer_id)
         else:
             self.flush_acks()
+        self._more_due = len(out) >= limit
         return out
 
     def _batching_acks(self) -> bool:
@@ -973,6 +977,7 @@ class Transport(virtual.Transport):
         # A small refill put off until more prefetch credit is free (see _async_drain).
         self._refill_deferred = False
         self._refill_queued = False
+        self._more_due = False
 
     def __repr__(self) -> str:
         return f"<pgskip Transport {mask_url(self.url)}>"
@@ -1114,6 +1119,7 @@ class Transport(virtual.Transport):
         """
         delivered = False
         deferred = False
+        more = False
         # Channels with no-ack consumers first: remote control (a revoke, a rate limit) is
         # handled before task messages published after it, as Celery expects.
         for channel in sorted(self.channels, key=lambda c: not c._no_ack_queues):
@@ -1130,7 +1136,9 @@ class Transport(virtual.Transport):
                 delivered = True
                 self._deliver(to_message(row), row.queue)
             deferred = deferred or channel._refill_deferred
+            more = more or channel._more_due
         self._refill_deferred = deferred
+        self._more_due = more
         return delivered
 
     def _promote(self, now: float) -> None:
@@ -1334,7 +1342,9 @@ class Transport(virtual.Transport):
             if self._refill_deferred and not self._refill_queued:
                 self._refill_queued = True
                 self._loop.call_later(REFILL_DELAY, self._refill)
-            if not delivered:
+            if not delivered or not self._more_due:
+                # Nothing, or less than asked for: the queues are drained for now, and what
+                # was delivered reaches the pool before any further round trip.
                 return
             only = None
         self._queue_drain()  # more to fetch: go on after the loop has served others
