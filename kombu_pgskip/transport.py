@@ -75,6 +75,9 @@ option                        default    meaning
                                          own with ``synchronous_commit = off`` (a server crash
                                          can redeliver, never lose); True behind PgBouncer in
                                          transaction pooling
+``async_fetch``               True       inside Celery's event loop, fetch on a connection of
+                                         its own without blocking the loop (rows are delivered
+                                         when the reply arrives)
 ============================  =========  ==========================================================
 """
 
@@ -100,7 +103,15 @@ from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from . import exceptions
-from .envelope import parse_tag, to_message, to_routed_row, to_row, validate_queue_name
+from .envelope import (
+    make_tag,
+    parse_tag,
+    to_message,
+    to_routed_row,
+    to_row,
+    validate_queue_name,
+)
+from .fetcher import AsyncFetcher
 from .store import FetchedRow, NewMessage, Store, notify_channel, scheduled_channel
 from .urls import build_url, connect, mask_url, to_conninfo
 
@@ -127,6 +138,7 @@ class Options:
     connect_timeout: float = 10.0
     check_schema: bool = True
     synchronous_acks: bool = False
+    async_fetch: bool = True
 
     @classmethod
     def from_transport_options(cls, options: dict[str, Any]) -> Options:
@@ -250,6 +262,8 @@ class Channel(virtual.Channel):
         self._pending_acks: list[tuple[int, int]] = []
         self._refill_deferred = False
         self._more_due = False
+        self._fetcher: AsyncFetcher | None = None
+        self._fetch_acks = 0  # acks sent with the fetch in flight
         self._collected: list[_Collected] | None = None
         self._registered = False
         self._no_ack_queues: set[str] = set()
@@ -627,6 +641,8 @@ class Channel(virtual.Channel):
     def close(self) -> None:
         was_closed = self.closed
         transport = self.connection
+        if not was_closed:
+            self._release_fetch()
         if not was_closed and self.owned_by_this_process:
             try:
                 self.flush_acks()
@@ -683,6 +699,9 @@ class Channel(virtual.Channel):
         if not self._consumers or not self._active_queues:
             self.flush_acks()
             return []
+        fetcher = self._async_fetcher()
+        if fetcher is not None and fetcher.in_flight:
+            return []  # acks wait for the next fetch; the reply brings this one's rows
         credit = self.qos.can_consume_max_estimate()
         limit = self.options.fetch_limit
         if credit is not None:
@@ -702,6 +721,12 @@ class Channel(virtual.Channel):
         out: list[FetchedRow] = []
         if noack_queues:
             out += self.consumer_store.fetch(noack_queues, limit, self.consumer_id, no_ack=True)
+        if ack_queues and not out and fetcher is not None:
+            pairs = self._take_acks()
+            fetcher.send(pairs, ack_queues, limit, self.consumer_id)
+            self._fetch_acks = len(pairs)
+            self.connection._watch_fetch(self, fetcher)
+            return []
         if ack_queues and len(out) < limit:
             pairs = self._take_acks()
             if pairs:
@@ -716,6 +741,60 @@ class Channel(virtual.Channel):
             self.flush_acks()
         self._more_due = len(out) >= limit
         return out
+
+    def _async_fetcher(self) -> AsyncFetcher | None:
+        """The non-blocking fetcher, when this channel is consumed from an event loop (a
+        channel with no-ack consumers, remote control, keeps the plain path)."""
+        transport = self.connection
+        if (
+            transport is None
+            or transport._loop is None
+            or not self.options.async_fetch
+            or self._no_ack_queues
+            or not self.owned_by_this_process
+            or self.closed
+        ):
+            return None
+        if self._fetcher is None:
+            self._fetcher = AsyncFetcher(
+                transport.url,
+                schema=self.options.schema,
+                asynchronous_commit=not self.options.synchronous_acks,
+                connect_timeout=self.options.connect_timeout,
+            )
+        return self._fetcher
+
+    def _fetched_async(self, result: tuple[int, list[FetchedRow], int]) -> list[FetchedRow]:
+        acked, rows, limit = result
+        sent, self._fetch_acks = self._fetch_acks, 0
+        self._acks_written(sent, acked)
+        self._more_due = len(rows) >= limit
+        return rows
+
+    def _release_fetch(self) -> None:
+        """Closing with a fetch in flight: wait for it and put its rows back (never delivered)."""
+        fetcher, self._fetcher = self._fetcher, None
+        if fetcher is None:
+            return
+        try:
+            result = fetcher.wait() if self.owned_by_this_process else None
+            if result is not None:
+                rows = self._fetched_async(result)
+                if rows:
+                    self._settle("requeue", [make_tag(r.id, r.attempts) for r in rows])
+        except Exception as exc:
+            # Not lost: unregistering this consumer (or the sweeper) returns them.
+            logger.warning(
+                "could not return fetched messages at close (%s); they return to pending "
+                "with this consumer's lease",
+                exc,
+                extra={"action": "fetch_release_failed"},
+            )
+        finally:
+            transport = self.connection
+            if transport is not None:
+                transport._unwatch_fetch(fetcher)
+            fetcher.close()
 
     def _batching_acks(self) -> bool:
         """Acks wait for the next fetch (or flush) while this channel consumes in this process.
@@ -972,6 +1051,7 @@ class Transport(virtual.Transport):
         # file descriptors it watches for us, and a drain already queued on it.
         self._loop: Any = None
         self._loop_fds: list[int] = []
+        self._fetch_fds: dict[int, AsyncFetcher] = {}
         self._poll_timer: Any = None
         self._drain_queued = False
         # A small refill put off until more prefetch credit is free (see _async_drain).
@@ -1269,6 +1349,11 @@ class Transport(virtual.Transport):
     def _leave_event_loop(self) -> None:
         loop, self._loop = self._loop, None
         fds, self._loop_fds = self._loop_fds, []
+        self._fetch_fds = {}
+        if self._pid == os.getpid():
+            for channel in list(self.channels):
+                if channel._fetcher is not None and channel._fetcher.in_flight:
+                    channel._release_fetch()  # nobody will read its reply from this loop
         timer, self._poll_timer = self._poll_timer, None
         if timer is not None:
             timer.cancel()  # otherwise every reconnect would leave one more poll timer behind
@@ -1313,6 +1398,52 @@ class Transport(virtual.Transport):
             self._loop.call_later(delay, self._async_drain)
         if queues:
             self._async_drain(queues)
+
+    def _watch_fetch(self, channel: PgChannel, fetcher: AsyncFetcher) -> None:
+        fd = fetcher.fileno()
+        if self._loop is None or self._fetch_fds.get(fd) is fetcher:
+            return
+        self._loop.add_reader(fd, self._on_fetch_readable, channel)
+        self._fetch_fds[fd] = fetcher
+        self._loop_fds.append(fd)
+
+    def _unwatch_fetch(self, fetcher: AsyncFetcher) -> None:
+        for fd, known in list(self._fetch_fds.items()):
+            if known is fetcher:
+                del self._fetch_fds[fd]
+                if fd in self._loop_fds:
+                    self._loop_fds.remove(fd)
+                if self._loop is not None and self._pid == os.getpid():
+                    try:
+                        self._loop.remove(fd)
+                    except Exception:
+                        logger.debug("could not remove fd %s from the event loop", fd)
+
+    def _on_fetch_readable(self, channel: PgChannel) -> None:
+        fetcher = channel._fetcher
+        if fetcher is None or self._loop is None:
+            return
+        try:
+            result = fetcher.poll()
+        except psycopg.Error:
+            # The connection went away: as with the LISTEN socket, stop watching and let the
+            # error reach Celery, which reconnects. The rows of a lost fetch, if it ran, are
+            # returned with this consumer's lease.
+            self._unwatch_fetch(fetcher)
+            channel._fetcher = None
+            self._leave_event_loop()
+            raise
+        if result is None:
+            return
+        rows = channel._fetched_async(result)
+        if channel.closed:  # closed meanwhile: never delivered
+            if rows:
+                channel._settle("requeue", [make_tag(r.id, r.attempts) for r in rows])
+            return
+        for row in rows:
+            self._deliver(to_message(row), row.queue)
+        if channel._more_due or channel._pending_acks:
+            self._queue_drain()
 
     def _on_poll_tick(self) -> None:
         if self._loop is not None:

@@ -124,7 +124,8 @@ def test_blocking_consumer_acks_ride_along_with_the_next_fetch(db_url: str) -> N
 
 def test_a_small_refill_waits_for_more_credit_on_an_event_loop(db_url: str) -> None:
     queue = Queue("refill", Exchange("refill"), "refill")
-    with Connection(_broker(db_url)) as conn:
+    # Synchronous fetches, so that each _async_drain call below has done its fetch on return.
+    with Connection(_broker(db_url), transport_options={"async_fetch": False}) as conn:
         _publish(conn, queue, 12)
         received: list[object] = []
         hub = Hub()
@@ -171,3 +172,58 @@ def test_the_heartbeat_writes_acks_of_a_consumer_that_stopped_draining(db_url: s
         while _statuses(db_url) != ["completed"] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _statuses(db_url) == ["completed"]
+
+
+def test_on_an_event_loop_the_fetch_does_not_block_the_loop(db_url: str) -> None:
+    queue = Queue("nonblocking", Exchange("nonblocking"), "nonblocking")
+    with Connection(_broker(db_url)) as conn:
+        _publish(conn, queue, 30)
+        received: list[object] = []
+        hub = Hub()
+        try:
+            channel = conn.channel()
+            Consumer(
+                channel, [queue], callbacks=[lambda body, m: received.append(m)], prefetch_count=10
+            ).consume()
+            transport = conn.transport
+            transport.register_with_event_loop(conn.connection, hub)
+            transport._async_drain()
+            assert received == [], "the fetch was sent; its rows arrive when the loop reads them"
+            assert channel._fetcher is not None and channel._fetcher.in_flight
+            deadline = time.monotonic() + 10
+            while len(received) < 10 and time.monotonic() < deadline:
+                hub.run_once()
+            assert len(received) == 10  # the prefetch window, no more
+            for message in received:
+                message.ack()  # type: ignore[attr-defined]
+            while len(received) < 30 and time.monotonic() < deadline:
+                hub.run_once()
+                for message in received[10:]:
+                    if message.acknowledged is False:  # type: ignore[attr-defined]
+                        message.ack()  # type: ignore[attr-defined]
+            assert len(received) == 30
+            deadline = time.monotonic() + 10
+            while _statuses(db_url) != ["completed"] * 30 and time.monotonic() < deadline:
+                hub.run_once()
+            assert _statuses(db_url) == ["completed"] * 30
+        finally:
+            conn.transport.unregister_from_event_loop(conn.connection, hub)
+            hub.close()
+
+
+def test_closing_with_a_fetch_in_flight_puts_its_rows_back(db_url: str) -> None:
+    queue = Queue("inflight", Exchange("inflight"), "inflight")
+    with Connection(_broker(db_url)) as conn:
+        _publish(conn, queue, 5)
+        hub = Hub()
+        received: list[object] = []
+        channel = conn.channel()
+        Consumer(channel, [queue], callbacks=[lambda body, m: received.append(m)]).consume()
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        conn.transport._async_drain()
+        assert channel._fetcher is not None and channel._fetcher.in_flight
+        channel.close()  # before the loop read the reply
+        conn.transport.unregister_from_event_loop(conn.connection, hub)
+        hub.close()
+    assert received == []
+    assert _statuses(db_url) == ["pending"] * 5

@@ -1,0 +1,214 @@
+"""The ``ack_fetch`` statement without blocking the worker's event loop.
+
+Inside a Celery worker the transport fetches from kombu's event loop, the same thread that
+hands tasks to the prefork pool and reads their results. A blocking fetch stalls all of that
+for a round trip. :class:`AsyncFetcher` sends the statement on a connection of its own and
+returns at once; the loop watches the socket and collects the rows when they arrive (the way
+kombu's Redis transport sends ``BRPOP`` and reads the reply later).
+
+It speaks libpq directly (``psycopg.pq``), on a connection opened by psycopg: one prepared
+statement, parameters and results in text format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import select
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import pq
+
+from .sql import queries_for
+from .store import FetchedRow
+from .urls import connect
+
+logger = logging.getLogger(__name__)
+
+_STATEMENT = b"pgskip_ack_fetch"
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+_PARAMS = ("ids", "attempts", "queues", "limit", "consumer")
+
+
+def _positional(text: str) -> tuple[str, list[str]]:
+    """``%(name)s`` placeholders as ``$n`` (one number per name), and the names in order."""
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in names:
+            names.append(name)
+        return f"${names.index(name) + 1}"
+
+    return _PLACEHOLDER.sub(number, text), names
+
+
+def _array(values: Sequence[Any]) -> bytes:
+    """A PostgreSQL array literal of ``values`` (ints, or strings quoted and escaped)."""
+    parts = []
+    for v in values:
+        if isinstance(v, int):
+            parts.append(str(v))
+        else:
+            parts.append('"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"')
+    return ("{" + ",".join(parts) + "}").encode()
+
+
+class AsyncFetcher:
+    """One ``ack_fetch`` in flight at a time on a dedicated connection.
+
+    :meth:`send` writes the statement and returns; the caller watches :meth:`fileno` and calls
+    :meth:`poll` when it is readable until it returns the result. Errors surface from
+    :meth:`send` or :meth:`poll` as psycopg exceptions (a lost connection is an
+    ``OperationalError``, which kombu and Celery recover from by reconnecting).
+    """
+
+    def __init__(
+        self, url: str, *, schema: str, asynchronous_commit: bool, connect_timeout: float
+    ) -> None:
+        self.url = url
+        self.schema = schema
+        self._asynchronous_commit = asynchronous_commit
+        self._connect_timeout = connect_timeout
+        self._conn: psycopg.Connection[Any] | None = None
+        self._pid = os.getpid()
+        self._sent: int | None = None  # the limit of the fetch in flight
+        text = queries_for(schema)["ack_fetch"].as_string(None)
+        query, names = _positional(text)
+        assert set(names) == set(_PARAMS), names
+        self._query = query.encode()
+        self._order = names
+
+    @property
+    def in_flight(self) -> bool:
+        return self._sent is not None
+
+    def _pgconn(self) -> pq.abc.PGconn:
+        if self._pid != os.getpid():
+            self._conn, self._sent, self._pid = None, None, os.getpid()  # not ours to use
+        conn = self._conn
+        if conn is None or conn.closed:
+            conn = connect(self.url, connect_timeout=self._connect_timeout)
+            try:
+                if self._asynchronous_commit:
+                    conn.execute("SET synchronous_commit TO off")
+                res = conn.pgconn.prepare(_STATEMENT, self._query)
+                if res.status != pq.ExecStatus.COMMAND_OK:
+                    raise psycopg.DatabaseError(
+                        f"cannot prepare the fetch statement: {res.get_error_message()}"
+                    )
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+            self._sent = None
+        return conn.pgconn
+
+    def fileno(self) -> int:
+        return self._pgconn().socket
+
+    def send(
+        self,
+        tags: Sequence[tuple[int, int]],
+        queues: Sequence[str],
+        limit: int,
+        consumer: uuid.UUID,
+    ) -> None:
+        """Ack ``tags`` and ask for up to ``limit`` messages of ``queues``; do not wait."""
+        if self._sent is not None:
+            raise RuntimeError("a fetch is already in flight")
+        pgconn = self._pgconn()
+        values = {
+            "ids": _array([t[0] for t in tags]),
+            "attempts": _array([t[1] for t in tags]),
+            "queues": _array(list(queues)),
+            "limit": str(max(limit, 0)).encode(),
+            "consumer": str(consumer).encode(),
+        }
+        try:
+            pgconn.send_query_prepared(_STATEMENT, [values[n] for n in self._order])
+            while pgconn.flush():  # 1 while data remains to be sent: rare for a small query
+                select.select([], [pgconn.socket], [], 1.0)
+        except psycopg.OperationalError:
+            self._drop()
+            raise
+        self._sent = limit
+
+    def poll(self) -> tuple[int, list[FetchedRow], int] | None:
+        """None while the result has not arrived; else (acks still ours, rows, limit asked)."""
+        if self._sent is None:
+            return None
+        pgconn = self._pgconn()
+        try:
+            pgconn.consume_input()
+            if pgconn.is_busy():
+                return None
+            results = []
+            while (res := pgconn.get_result()) is not None:
+                results.append(res)
+        except psycopg.OperationalError:
+            self._drop()
+            raise
+        limit, self._sent = self._sent, None
+        return (*self._parse(results), limit)
+
+    def wait(self, timeout: float = 30.0) -> tuple[int, list[FetchedRow], int] | None:
+        """Block until the fetch in flight (if any) completes."""
+        while self._sent is not None:
+            result = self.poll()
+            if result is not None:
+                return result
+            readable, _, _ = select.select([self.fileno()], [], [], timeout)
+            if not readable:
+                self._drop()
+                raise psycopg.OperationalError(f"no answer to a fetch within {timeout} s")
+        return None
+
+    def _parse(self, results: list[pq.abc.PGresult]) -> tuple[int, list[FetchedRow]]:
+        acked = 0
+        rows: list[tuple[Any, ...]] = []
+        for res in results:
+            if res.status != pq.ExecStatus.TUPLES_OK:
+                message = res.get_error_message()
+                raise psycopg.DatabaseError(f"fetch failed: {message}")
+            for i in range(res.ntuples):
+                acked = int(res.get_value(i, 0) or 0)
+                if res.get_value(i, 1) is None:
+                    continue  # the lone row of a fetch that found nothing
+                rows.append(
+                    (
+                        int(res.get_value(i, 1) or 0),
+                        (res.get_value(i, 2) or b"").decode(),
+                        json.loads(res.get_value(i, 3) or b"{}"),
+                        res.get_value(i, 4) == b"t",
+                        int(res.get_value(i, 5) or 0),
+                        int(res.get_value(i, 7) or 0),
+                        int(res.get_value(i, 8) or 0),
+                    )
+                )
+        rows.sort(key=lambda r: (-r[5], r[6], r[0]))
+        fetched = [
+            FetchedRow(id=r[0], queue=r[1], payload=r[2], redelivered=r[3], attempts=r[4])
+            for r in rows
+        ]
+        return acked, fetched
+
+    def _drop(self) -> None:
+        conn, self._conn, self._sent = self._conn, None, None
+        if conn is not None and self._pid == os.getpid():
+            try:
+                conn.close()
+            except Exception:
+                logger.debug("error closing the fetch connection", exc_info=True)
+
+    def close(self) -> None:
+        """Close the connection (a forked child only forgets it)."""
+        if self._pid != os.getpid():
+            self._conn, self._sent = None, None
+            return
+        self._drop()
