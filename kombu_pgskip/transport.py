@@ -73,6 +73,10 @@ option                        default    meaning
                                          own with ``synchronous_commit = off`` (a server crash
                                          can redeliver, never lose); True behind PgBouncer in
                                          transaction pooling
+``xmin_horizon_warning``      300.0      log a WARNING naming the session, prepared transaction
+                                         or replication slot that has held the database's xmin
+                                         horizon this many seconds (dead rows cannot be
+                                         vacuumed meanwhile); 0 disables (see health.py)
 ============================  =========  ==========================================================
 """
 
@@ -98,6 +102,7 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from . import exceptions
 from .envelope import parse_tag, to_message, to_routed_row, to_row, validate_queue_name
+from .health import HorizonMonitor
 from .store import FetchedRow, Store, notify_channel, scheduled_channel
 from .urls import build_url, connect, mask_url, to_conninfo
 
@@ -120,6 +125,7 @@ class Options:
     connect_timeout: float = 10.0
     check_schema: bool = True
     synchronous_acks: bool = False
+    xmin_horizon_warning: float = 300.0
 
     @classmethod
     def from_transport_options(cls, options: dict[str, Any]) -> Options:
@@ -157,8 +163,9 @@ class Options:
                 "transport options max_attempts and fetch_limit must be >= 1, "
                 "max_message_size >= 1024"
             )
-        if self.eta_threshold < 0:
-            raise exceptions.ConfigurationError("transport option eta_threshold must be >= 0")
+        for name in ("eta_threshold", "xmin_horizon_warning"):
+            if getattr(self, name) < 0:
+                raise exceptions.ConfigurationError(f"transport option {name} must be >= 0")
 
 
 class QoS(virtual.QoS):
@@ -711,6 +718,7 @@ class _Heartbeat(threading.Thread):
             check=False,
             connect_timeout=transport.options.connect_timeout,
         )
+        self.horizon = HorizonMonitor(self.store, transport.options.xmin_horizon_warning)
 
     def run(self) -> None:
         opts = self.transport.options
@@ -722,6 +730,7 @@ class _Heartbeat(threading.Thread):
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + opts.sweep_interval
                     self.sweep()
+                self.horizon.maybe_check()  # throttled; logs its own failures
             except Exception as exc:
                 logger.warning(
                     "lease renewal failed: %s", exc, extra={"action": "heartbeat_failed"}
