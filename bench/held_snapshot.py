@@ -64,14 +64,14 @@ class Phase:
     seconds: float
     completed: int
     throughput: float  # tasks completed per second at the offered rate
-    drain_rate: float | None  # msg/s draining a burst of --probe messages
+    drain_rate: float | None  # msg/s draining the backlog plus a burst of --probe messages
     total_bytes: int  # jobs + its indexes + TOAST, at the end of the phase
     table_bytes: int
     index_bytes: int
     growth_bytes: int  # total_bytes growth during the phase
     growth_per_1000: float  # bytes of growth per 1,000 messages completed
     dead_not_removable: int | None  # from VACUUM VERBOSE at the end of the phase
-    pending_at_end: int
+    pending_at_end: int  # backlog when the phase ended (the worker could not keep up)
 
 
 @dataclass
@@ -81,22 +81,23 @@ class Result:
     phases: list[Phase] = field(default_factory=list)
     holder_pid: int | None = None
     warnings: list[str] = field(default_factory=list)
+    left_at_end: int = 0  # messages still waiting after the last drain
 
     def phase(self, name: str) -> Phase:
         return next(p for p in self.phases if p.name == name)
 
     def table(self) -> str:
         head = (
-            "| phase | seconds | tasks/s at offered rate | burst drain msg/s | jobs+indexes MB "
-            "| growth bytes / 1,000 msgs | dead rows VACUUM could not remove |"
+            "| phase | seconds | tasks/s at offered rate | backlog at end | drain msg/s "
+            "| jobs+indexes MB | growth KB / 1,000 msgs | dead rows VACUUM could not remove |"
         )
-        lines = [head, "|---|---|---|---|---|---|---|"]
+        lines = [head, "|---|---|---|---|---|---|---|---|"]
         for p in self.phases:
             drain = "-" if p.drain_rate is None else f"{p.drain_rate:,.0f}"
             dead = "-" if p.dead_not_removable is None else f"{p.dead_not_removable:,}"
             lines.append(
-                f"| {p.name} | {p.seconds:.0f} | {p.throughput:,.0f} | {drain} | "
-                f"{p.total_bytes / 1e6:.2f} | {p.growth_per_1000:,.0f} | {dead} |"
+                f"| {p.name} | {p.seconds:.0f} | {p.throughput:,.0f} | {p.pending_at_end:,} | "
+                f"{drain} | {p.total_bytes / 1e6:.1f} | {p.growth_per_1000 / 1024:,.0f} | {dead} |"
             )
         return "\n".join(lines)
 
@@ -200,12 +201,16 @@ def _waiting(conn: psycopg.Connection[Any], queue: str) -> int:
     )
 
 
-def _drain(conn: psycopg.Connection[Any], queue: str, timeout: float) -> float:
-    """Wait until ``queue`` has nothing waiting or running; returns the seconds it took."""
+def _drain(conn: psycopg.Connection[Any], queue: str, timeout: float) -> float | None:
+    """Wait (publishing paused) until ``queue`` has nothing waiting or running, at most
+    ``timeout`` seconds; returns the rate in msg/s at which it drained (None: nothing to do)."""
     t0 = time.monotonic()
-    while _waiting(conn, queue) and time.monotonic() - t0 < timeout:
+    start = left = _waiting(conn, queue)
+    while left and time.monotonic() - t0 < timeout:
         time.sleep(0.05)
-    return time.monotonic() - t0
+        left = _waiting(conn, queue)
+    took = time.monotonic() - t0
+    return (start - left) / took if start and took > 0 else None
 
 
 def vacuum_not_removable(conn: psycopg.Connection[Any]) -> int:
@@ -247,6 +252,7 @@ def run(
     threshold: float = 60.0,
     probe: int = 5000,
     lease_seconds: float = 30.0,
+    drain_timeout: float = 60.0,
     log: Any = None,
 ) -> Result:
     """Run the three phases against the migrated database ``db_url`` and return the figures."""
@@ -281,13 +287,13 @@ def run(
                 done = _completed(conn) - done0
                 elapsed = time.monotonic() - t0
                 load.paused.set()
-                _drain(conn, queue, timeout=30)
-                pending = _waiting(conn, queue)
+                pending = _waiting(conn, queue)  # the backlog the offered rate left
                 drain_rate = None
                 if probe:
                     load.burst(conn, probe)
-                    took = _drain(conn, queue, timeout=60)
-                    drain_rate = probe / took if took > 0 else None
+                    drain_rate = _drain(conn, queue, timeout=drain_timeout)
+                else:
+                    _drain(conn, queue, timeout=drain_timeout)
                 total, table, index = _sizes(conn)
                 dead = vacuum_not_removable(conn)
                 load.paused.clear()
@@ -315,6 +321,7 @@ def run(
                 phase("during", hold)
             conn.execute("VACUUM pgskip.jobs")  # what autovacuum does within its naptime
             phase("after", after)
+            result.left_at_end = _waiting(conn, queue)
         finally:
             load.stop_event.set()
             load.join(timeout=10)

@@ -101,7 +101,15 @@ from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from . import exceptions
-from .envelope import parse_tag, to_message, to_routed_row, to_row, validate_queue_name
+from .envelope import (
+    MAX_MESSAGE_SIZE_LIMIT,
+    decode_problem,
+    parse_tag,
+    to_message,
+    to_routed_row,
+    to_row,
+    validate_queue_name,
+)
 from .health import HorizonMonitor
 from .store import FetchedRow, Store, notify_channel, scheduled_channel
 from .urls import build_url, connect, mask_url, to_conninfo
@@ -158,10 +166,14 @@ class Options:
                 raise exceptions.ConfigurationError(f"transport option {name} must be > 0")
         if self.lease_seconds < 3:
             raise exceptions.ConfigurationError("transport option lease_seconds must be >= 3")
-        if self.max_attempts < 1 or self.fetch_limit < 1 or self.max_message_size < 1024:
+        if (
+            self.max_attempts < 1
+            or self.fetch_limit < 1
+            or not 1024 <= self.max_message_size <= MAX_MESSAGE_SIZE_LIMIT
+        ):
             raise exceptions.ConfigurationError(
                 "transport options max_attempts and fetch_limit must be >= 1, "
-                "max_message_size >= 1024"
+                f"max_message_size between 1024 and {MAX_MESSAGE_SIZE_LIMIT}"
             )
         for name in ("eta_threshold", "xmin_horizon_warning"):
             if getattr(self, name) < 0:
@@ -657,6 +669,18 @@ class Channel(virtual.Channel):
             )
         return len(pairs)
 
+    def _fail_undecodable(self, row: FetchedRow, reason: str) -> None:
+        """Move a message no consumer could decode to ``failed`` with ``reason`` (fenced)."""
+        if row.queue not in self._no_ack_queues:
+            self.consumer_store.fail([(row.id, row.attempts)], self.consumer_id, reason)
+        logger.error(
+            "message %s of queue %r moved to failed: %s",
+            row.id,
+            row.queue,
+            reason,
+            extra={"action": "undecodable", "message_id": row.id},
+        )
+
     def _credit_freed(self) -> None:
         transport = self.connection
         if transport is not None:
@@ -979,7 +1003,12 @@ class Transport(virtual.Transport):
             # channel's restore on close, or the sweeper, returns it to the queue.
             for row in channel._fetch_batch():
                 delivered = True
-                self._deliver(to_message(row), row.queue)
+                message = to_message(row)
+                problem = decode_problem(message)
+                if problem is not None:
+                    channel._fail_undecodable(row, problem)
+                    continue
+                self._deliver(message, row.queue)
         return delivered
 
     def _promote(self, now: float) -> None:

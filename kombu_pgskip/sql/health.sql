@@ -32,3 +32,10 @@ SELECT h.kind, h.who, h.usename, h.application_name, h.state, h.xmin::text, age(
        ) AS h
  ORDER BY age(h.xmin) DESC
  LIMIT %(limit)s;
+
+-- write_access: may this session write, and if not, why: (read only, standby, where default_transaction_read_only was set, user, database)
+SELECT current_setting('transaction_read_only') = 'on',
+       pg_is_in_recovery(),
+       (SELECT source FROM pg_settings WHERE name = 'default_transaction_read_only'),
+       current_user::text,
+       current_database()::text;

@@ -2,8 +2,9 @@
 
 Configuration comes from the environment: ``$PGSKIP_BROKER_URL`` (the broker, possibly as a
 least-privileged role), ``PGSKIP_OPT_<NAME>`` (transport options) and ``$SAFETY_RUNS_DSN``: where
-``safetyapp.record`` writes what it received (a superuser's connection to the test database, so
-the instrumentation needs no grant of the role under test).
+``safetyapp.record`` writes what it received into ``safety_runs`` (a superuser's connection to
+the test database, so the instrumentation needs no grant of the role under test; the table is
+created by ``tests.safety_support.create_runs_table``).
 """
 
 from __future__ import annotations
@@ -30,23 +31,6 @@ app.conf.update(
         if k.startswith("PGSKIP_OPT_")
     },
 )
-
-RUNS_TABLE = (
-    "CREATE TABLE IF NOT EXISTS safety_runs ("
-    " id bigserial PRIMARY KEY, task text NOT NULL, args text NOT NULL, kwargs text NOT NULL)"
-)
-
-
-def ensure_table(dsn: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(RUNS_TABLE)
-
-
-def runs(dsn: str) -> list[tuple[str, list[Any], dict[str, Any]]]:
-    """(task name, args, kwargs) of every ``record`` run, in order."""
-    with psycopg.connect(dsn) as conn:
-        rows = conn.execute("SELECT task, args, kwargs FROM safety_runs ORDER BY id").fetchall()
-    return [(r[0], json.loads(r[1]), json.loads(r[2])) for r in rows]
 
 
 @app.task(name="safetyapp.noop")
