@@ -149,18 +149,25 @@ def status_cmd(ctx: click.Context, schema: str | None) -> None:
     do_status(_target(ctx, schema))
 
 
+def grant_options(func: Any) -> Any:
+    """The --worker/--publisher/--dry-run options of ``grant`` (here and in ``__main__``)."""
+    func = click.option("--dry-run", is_flag=True, help="Print the GRANTs; change nothing.")(func)
+    func = click.option(
+        "--publisher", "publishers", multiple=True, help="Role that only publishes (repeatable)."
+    )(func)
+    return click.option(
+        "--worker", "workers", multiple=True, help="Role that runs workers (repeatable)."
+    )(func)
+
+
 @pgskip.command(name="grant")
-@click.option("--worker", "workers", multiple=True, help="Role that runs workers (repeatable).")
-@click.option(
-    "--publisher", "publishers", multiple=True, help="Role that only publishes (repeatable)."
-)
+@grant_options
 @click.option(
     "--url",
     envvar="PGSKIP_OWNER_URL",
     default=None,
     help="Connect as the schema's owner (default: the app's broker_url).",
 )
-@click.option("--dry-run", is_flag=True, help="Print the GRANT statements; change nothing.")
 @_schema_option
 @click.pass_context
 def grant_cmd(

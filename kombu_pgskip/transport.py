@@ -67,6 +67,7 @@ option                        default    meaning
 ``eta_threshold``             2.0        ETAs further away than this wait in the database
 ``fetch_limit``               100        most messages fetched in one statement
 ``max_message_size``          67108864   bytes of encoded message accepted by publish
+                                         (at most 268435456)
 ``connect_timeout``           10         seconds to wait for a connection
 ``check_schema``              True       refuse to run against a missing or outdated schema
 ``synchronous_acks``          False      False: fetches and acks run on a connection of their

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from bench.held_snapshot import HOLDER_APP, HOLDER_QUERY, held_snapshot, run
+from kombu_pgskip.embedded import EmbeddedPostgres
 from kombu_pgskip.health import HorizonMonitor, read_holders
 from kombu_pgskip.store import Store
 
@@ -57,6 +60,42 @@ def test_monitor_names_the_session_holding_the_horizon_and_throttles(
         assert monitor._first_seen == {}
     finally:
         store.close()
+
+
+def test_monitor_names_a_prepared_transaction(
+    restartable_pg: EmbeddedPostgres, db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prepared transactions need max_prepared_transactions > 0: a restart on, one off."""
+
+    def set_prepared(value: str | None) -> None:
+        with psycopg.connect(restartable_pg.dsn("postgres"), autocommit=True) as conn:
+            if value is None:
+                conn.execute("ALTER SYSTEM RESET max_prepared_transactions")
+            else:
+                conn.execute(f"ALTER SYSTEM SET max_prepared_transactions = {int(value)}")
+        restartable_pg.restart()
+
+    gid = f"pgskip-test-{uuid.uuid4().hex[:8]}"
+    set_prepared("2")
+    store = Store(db_url)
+    try:
+        with psycopg.connect(db_url) as conn:
+            conn.execute("INSERT INTO pgskip.queues (name) VALUES ('prepared')")
+            conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+        clock = FakeClock()
+        monitor = HorizonMonitor(store, threshold=10, clock=clock)
+        with caplog.at_level(logging.WARNING):
+            assert monitor.maybe_check() == []
+            clock.now += 11
+            (warned,) = monitor.maybe_check()
+        assert (warned.kind, warned.who, warned.user) == ("prepared transaction", gid, "postgres")
+        text = caplog.records[-1].getMessage()
+        assert f"prepared transaction {gid!r}" in text and "ROLLBACK PREPARED" in text
+    finally:
+        store.close()
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+        set_prepared(None)
 
 
 def test_monitor_is_off_when_the_threshold_is_zero(db_url: str) -> None:
