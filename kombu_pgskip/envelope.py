@@ -14,6 +14,7 @@ import codecs
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from kombu.compression import decompress
 from kombu.utils.json import dumps, loads
 
 from . import exceptions
@@ -259,6 +260,12 @@ def decode_problem(message: dict[str, Any]) -> str | None:
         raw = body.encode("utf-8") if isinstance(body, str) else bytes(body)
         if body_encoding == "base64":
             raw = base64.b64decode(raw, validate=True)
+        compression = (message.get("headers") or {}).get("compression")
+        if compression:  # as kombu's Message does, before decoding
+            try:
+                raw = decompress(raw, compression)
+            except Exception as exc:  # each codec raises its own errors
+                raise ValueError(f"cannot decompress {compression}: {exc!r}") from exc
         if content_encoding in _BYTES_ENCODINGS:
             return None
         text = codecs.decode(raw, content_encoding)

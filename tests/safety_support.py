@@ -46,6 +46,11 @@ def scalar(db_url: str, query: str, params: Any = None) -> Any:
     return row[0]
 
 
+def rows(db_url: str, query: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(db_url) as conn:
+        return conn.execute(query).fetchall()
+
+
 def count_jobs(db_url: str) -> int:
     return int(scalar(db_url, "SELECT count(*) FROM pgskip.jobs"))
 

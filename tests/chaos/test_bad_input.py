@@ -28,6 +28,7 @@ from tests.safety_support import (
     login_role,
     not_postgres_server,
     require_passwords,
+    rows,
     safety_app,
     safety_worker,
     scalar,
@@ -212,10 +213,12 @@ def test_a_256_byte_unicode_queue_name_is_refused_before_anything_is_written(
     assert count_jobs(db_url) == 0
 
 
+COMPRESSION = {"bad compression": {"compression": "application/x-gzip"}}
 UNDECODABLE = {
     "invalid utf-8": (b"\xff\xfe[[], {}, {}]", "application/json", "utf-8", "UnicodeDecodeError"),
     "unknown content-encoding": (b"[[], {}, {}]", "application/json", "x-nosuch", "LookupError"),
     "invalid json": (b'[[1, 2], {"a": ', "application/json", "utf-8", "JSONDecodeError"),
+    "bad compression": (b"not zlib", "application/json", "utf-8", "cannot decompress"),
 }
 
 
@@ -235,10 +238,11 @@ def test_undecodable_bodies_go_to_failed_with_the_reason_and_the_worker_carries_
                     content_type=content_type,
                     content_encoding=encoding,
                     headers={"task": "safetyapp.record", "id": task_id, "lang": "py",
-                             "argsrepr": name},
+                             "argsrepr": name, **COMPRESSION.get(name, {})},
                 )  # fmt: skip
         app.send_task("safetyapp.record", args=["after the bad ones"], queue="default")
-        wait_for_runs(db_url, 1)
+        app.send_task("safetyapp.record", args=["compressed"], queue="default", compression="zlib")
+        wait_for_runs(db_url, 2)
         assert worker.is_running()
     with psycopg.connect(db_url) as conn:
         failed = conn.execute(
@@ -246,11 +250,12 @@ def test_undecodable_bodies_go_to_failed_with_the_reason_and_the_worker_carries_
             " WHERE status = 'failed' ORDER BY id"
         ).fetchall()
         statuses = conn.execute("SELECT status::text, count(*) FROM pgskip.jobs GROUP BY 1")
-        assert dict(statuses.fetchall()) == {"failed": 3, "completed": 1}
+        assert dict(statuses.fetchall()) == {"failed": len(UNDECODABLE), "completed": 2}
     assert [f[0] for f in failed] == list(UNDECODABLE)
     for (_, error), (_, content_type, encoding, exc_name) in zip(
         failed, UNDECODABLE.values(), strict=True
     ):
         assert error.startswith("undecodable message body")
         assert content_type in error and encoding in error and exc_name in error
-    assert scalar(db_url, "SELECT args FROM safety_runs") == '["after the bad ones"]'
+    ran = [r[0] for r in rows(db_url, "SELECT args FROM safety_runs ORDER BY id")]
+    assert sorted(ran) == ['["after the bad ones"]', '["compressed"]']

@@ -31,6 +31,7 @@ from tests.safety_support import (
     create_runs_table,
     login_role,
     require_passwords,
+    rows,
     safety_app,
     safety_worker,
     scalar,
@@ -218,7 +219,7 @@ def test_least_privilege_roles_run_a_real_worker_and_hold(roles: Roles) -> None:
     app = safety_app(broker(publisher_url))
     # Sweeps, lease renewals and the xmin-horizon check every second: all of the worker's
     # statements run as the worker role within the test.
-    fast = {"PGSKIP_OPT_SWEEP_INTERVAL": "0.5", "PGSKIP_OPT_LEASE_SECONDS": "3",
+    fast = {"PGSKIP_OPT_SWEEP_INTERVAL": "0.5", "PGSKIP_OPT_LEASE_SECONDS": "6",
             "PGSKIP_OPT_XMIN_HORIZON_WARNING": "1"}  # fmt: skip
     worker = safety_worker(
         broker(roles.url(roles.worker)), db_url, queues=["default"], extra_env=fast
@@ -230,10 +231,10 @@ def test_least_privilege_roles_run_a_real_worker_and_hold(roles: Roles) -> None:
             apply_async_in(conn, app.signature("safetyapp.record", args=["in my transaction"]),
                            queue="default", countdown=3)  # fmt: skip
         wait_for_runs(db_url, 2)
-        time.sleep(1.5)  # a few more heartbeats and sweeps
+        time.sleep(2.5)  # more heartbeats (every 2 s) and sweeps
         log = worker.log_text()
     assert "permission denied" not in log.lower() and "failed" not in log, log
-    ran = {json.loads(a)[0] for (a,) in _rows(db_url, "SELECT args FROM safety_runs")}
+    ran = {json.loads(a)[0] for (a,) in rows(db_url, "SELECT args FROM safety_runs")}
     assert ran == {"published", "in my transaction"}
     for role in (roles.owner, roles.worker, roles.publisher):
         assert role.password not in log
@@ -281,11 +282,6 @@ def test_least_privilege_roles_run_a_real_worker_and_hold(roles: Roles) -> None:
         finally:
             owner.execute("INSERT INTO pgskip.migrations VALUES (%s, %s, %s, %s)", saved)
     assert_tables_intact(db_url)
-
-
-def _rows(db_url: str, query: str) -> list[tuple[object, ...]]:
-    with psycopg.connect(db_url) as conn:
-        return conn.execute(query).fetchall()
 
 
 def test_no_password_in_reprs_logs_or_connect_errors(pg_server: PgServer, db_url: str) -> None:
