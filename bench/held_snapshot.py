@@ -70,7 +70,7 @@ class Phase:
     index_bytes: int
     growth_bytes: int  # total_bytes growth during the phase
     growth_per_1000: float  # bytes of growth per 1,000 messages completed
-    dead_not_removable: int | None  # from VACUUM VERBOSE at the end of the phase
+    dead_not_removable: int  # from VACUUM VERBOSE at the end of the phase
     pending_at_end: int  # backlog when the phase ended (the worker could not keep up)
 
 
@@ -94,10 +94,10 @@ class Result:
         lines = [head, "|---|---|---|---|---|---|---|---|"]
         for p in self.phases:
             drain = "-" if p.drain_rate is None else f"{p.drain_rate:,.0f}"
-            dead = "-" if p.dead_not_removable is None else f"{p.dead_not_removable:,}"
             lines.append(
                 f"| {p.name} | {p.seconds:.0f} | {p.throughput:,.0f} | {p.pending_at_end:,} | "
-                f"{drain} | {p.total_bytes / 1e6:.1f} | {p.growth_per_1000 / 1024:,.0f} | {dead} |"
+                f"{drain} | {p.total_bytes / 1e6:.1f} | {p.growth_per_1000 / 1024:,.0f} | "
+                f"{p.dead_not_removable:,} |"
             )
         return "\n".join(lines)
 

@@ -20,6 +20,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from tests.conftest import PgServer
 from tests.helpers import REPO_ROOT, CeleryWorker, make_url
 
 APPS_DIR = str(REPO_ROOT / "tests" / "apps")
@@ -73,13 +74,14 @@ def wait_for_runs(db_url: str, n: int, timeout: float = 30) -> None:
     )
 
 
-def require_passwords(server_dsn: str, data_dir: str | None) -> None:
+def require_passwords(server: PgServer) -> None:
     """Members of :data:`PASSWORD_GROUP` must give a password (scram) on 127.0.0.1.
 
     Prepends one ``pg_hba.conf`` line on the session's embedded server and reloads it. Other
     roles keep trust authentication.
     """
-    if data_dir is None:
+    server_dsn = server.dsn
+    if server.embedded is None:
         pytest.fail(
             "these tests edit pg_hba.conf to require passwords, which needs the embedded "
             "PostgreSQL: unset PGSKIP_TEST_DSN and set PGSKIP_TEST_SERVER=embedded"
@@ -88,7 +90,7 @@ def require_passwords(server_dsn: str, data_dir: str | None) -> None:
         exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (PASSWORD_GROUP,))
         if exists.fetchone() is None:
             conn.execute(sql.SQL("CREATE ROLE {} NOLOGIN").format(sql.Identifier(PASSWORD_GROUP)))
-        hba = Path(data_dir) / "pg_hba.conf"
+        hba = Path(server.embedded.data_dir) / "pg_hba.conf"
         line = f"host all +{PASSWORD_GROUP} 127.0.0.1/32 scram-sha-256\n"
         text = hba.read_text()
         if line in text:

@@ -62,7 +62,7 @@ def test_malformed_url_says_what_is_expected_and_never_shows_the_password(url: s
 
 @pytest.fixture
 def password_role(pg_server: PgServer, db_url: str) -> Iterator[Role]:
-    require_passwords(pg_server.dsn, pg_server.embedded and pg_server.embedded.data_dir)
+    require_passwords(pg_server)
     with login_role(pg_server.dsn, password=SECRET, databases=(db_url.rsplit("/", 1)[1],)) as r:
         yield r
 

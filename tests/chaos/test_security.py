@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import psycopg
 import pytest
@@ -102,11 +103,12 @@ def test_apply_async_in_binds_task_name_queue_args_and_headers(db_url: str) -> N
 def test_nul_characters_are_refused_before_anything_is_written(db_url: str, where: str) -> None:
     app = safety_app(broker(db_url))
     nul = "a\x00b"
-    options = {
+    by_place: dict[str, dict[str, Any]] = {
         "args": {"args": (nul,)},
         "headers": {"headers": {"h": nul}},
         "task name": {},
-    }[where]
+    }
+    options = by_place[where]
     name = nul if where == "task name" else "safetyapp.noop"
     with pytest.raises(exceptions.ConfigurationError, match="NUL character"):
         app.send_task(name, **options)
@@ -166,7 +168,7 @@ def roles(pg_server: PgServer, empty_db_url: str) -> Iterator[Roles]:
     As docs/security.md: a superuser creates the roles and lets the owner create the schema;
     the owner migrates and grants. Nothing else is granted here.
     """
-    require_passwords(pg_server.dsn, pg_server.embedded and pg_server.embedded.data_dir)
+    require_passwords(pg_server)
     dbname = empty_db_url.rsplit("/", 1)[1]
     dbs = (dbname,)
     with (
@@ -285,7 +287,7 @@ def test_least_privilege_roles_run_a_real_worker_and_hold(roles: Roles) -> None:
 
 
 def test_no_password_in_reprs_logs_or_connect_errors(pg_server: PgServer, db_url: str) -> None:
-    require_passwords(pg_server.dsn, pg_server.embedded and pg_server.embedded.data_dir)
+    require_passwords(pg_server)
     dbname = db_url.rsplit("/", 1)[1]
     with login_role(pg_server.dsn, databases=(dbname,)) as role:
         from kombu_pgskip.grants import apply_grants, grant_statements
