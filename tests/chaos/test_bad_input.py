@@ -259,3 +259,11 @@ def test_undecodable_bodies_go_to_failed_with_the_reason_and_the_worker_carries_
         assert content_type in error and encoding in error and exc_name in error
     ran = [r[0] for r in rows(db_url, "SELECT args FROM safety_runs ORDER BY id")]
     assert sorted(ran) == ['["after the bad ones"]', '["compressed"]']
+
+
+def test_a_standby_is_named_with_target_session_attrs() -> None:
+    """No standby in CI: the error built from what ``write_access`` reads on one."""
+    error = exceptions.ReadOnlyDatabase.because(
+        standby=True, source="default", user="app", database="app", where="pgskip://app:***@r/app"
+    )
+    assert "read-only standby" in str(error) and "target_session_attrs=read-write" in str(error)
