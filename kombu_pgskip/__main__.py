@@ -141,5 +141,16 @@ def purge_failed(
     cli.do_purge_failed(Target(url, schema), cli._failed_filter(queue, task, older_than, limit))
 
 
+@main.command()
+@_url
+@_schema
+@cli.grant_options
+def grant(
+    url: str, schema: str, workers: tuple[str, ...], publishers: tuple[str, ...], dry_run: bool
+) -> None:
+    """GRANT a worker and a publisher role what they need (run as the schema's owner)."""
+    cli.do_grant(Target(url, schema), list(workers), list(publishers), dry_run)
+
+
 if __name__ == "__main__":
     main()

@@ -91,6 +91,26 @@ def do_status(target: Target) -> None:
         click.echo("(no messages)")
 
 
+def do_grant(target: Target, workers: list[str], publishers: list[str], dry_run: bool) -> None:
+    from .grants import apply_grants, database_of, grant_statements
+
+    try:
+        grants = grant_statements(
+            database_of(target.url), target.schema, workers=workers, publishers=publishers
+        )
+        for grant in grants:
+            click.echo(f"{grant.text()};")
+        if not dry_run:
+            apply_grants(target.url, grants)
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    if dry_run:
+        click.echo("dry run: nothing was granted")
+    else:
+        click.echo(f"granted ({len(grants)} statements) as the role of {mask_url(target.url)}")
+
+
 _schema_option = click.option(
     "--schema",
     default=None,
@@ -127,6 +147,42 @@ def migrate_cmd(ctx: click.Context, dry_run: bool, schema: str | None) -> None:
 def status_cmd(ctx: click.Context, schema: str | None) -> None:
     """A table per queue: pending, running, scheduled, failed, oldest pending, done per minute."""
     do_status(_target(ctx, schema))
+
+
+def grant_options(func: Any) -> Any:
+    """The --worker/--publisher/--dry-run options of ``grant`` (here and in ``__main__``)."""
+    func = click.option("--dry-run", is_flag=True, help="Print the GRANTs; change nothing.")(func)
+    func = click.option(
+        "--publisher", "publishers", multiple=True, help="Role that only publishes (repeatable)."
+    )(func)
+    return click.option(
+        "--worker", "workers", multiple=True, help="Role that runs workers (repeatable)."
+    )(func)
+
+
+@pgskip.command(name="grant")
+@grant_options
+@click.option(
+    "--url",
+    envvar="PGSKIP_OWNER_URL",
+    default=None,
+    help="Connect as the schema's owner (default: the app's broker_url).",
+)
+@_schema_option
+@click.pass_context
+def grant_cmd(
+    ctx: click.Context,
+    workers: tuple[str, ...],
+    publishers: tuple[str, ...],
+    url: str | None,
+    dry_run: bool,
+    schema: str | None,
+) -> None:
+    """Grant a worker role and a publisher role only what they need (see docs/security.md)."""
+    target = _target(ctx, schema)
+    if url:
+        target = Target(url, target.schema)
+    do_grant(target, list(workers), list(publishers), dry_run)
 
 
 # -- periodic tasks, pg_cron maintenance, failed messages --------------------------------------

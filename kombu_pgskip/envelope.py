@@ -8,15 +8,22 @@ Celery's ``eta`` header), the task name and id (for operators), and the TTL.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import codecs
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from kombu.utils.json import dumps
+from kombu.compression import decompress
+from kombu.utils.json import dumps, loads
 
 from . import exceptions
 from .store import FetchedRow, NewMessage
 
 MAX_QUEUE_NAME_BYTES = 255
+#: Upper bound of the max_message_size option: PostgreSQL refuses values over 1 GB, and the
+#: server holds several copies of a parameter while inserting it.
+MAX_MESSAGE_SIZE_LIMIT = 256 * 1024 * 1024
 
 
 def validate_queue_name(name: object) -> str:
@@ -139,13 +146,13 @@ def _row(
     now: datetime | None,
 ) -> NewMessage:
     headers = message.get("headers") or {}
+    body = message.get("body")
+    if isinstance(body, (str, bytes)) and len(body) > max_message_size:
+        # Refused before encoding a second copy of a huge body.
+        raise _too_large(len(body), destination, max_message_size)
     payload = _encode(message)
     if len(payload) > max_message_size:
-        raise exceptions.MessageTooLarge(
-            f"message of {len(payload)} bytes for {destination} exceeds max_message_size "
-            f"({max_message_size} bytes): pass large data by reference (a row id, an object "
-            "store key) or raise the max_message_size transport option"
-        )
+        raise _too_large(len(payload), destination, max_message_size)
     if "\\u0000" in payload:
         # PostgreSQL's json accepts it, but nothing can decode it back reliably.
         raise exceptions.ConfigurationError(
@@ -169,6 +176,15 @@ def _row(
         task_name=str(task_name) if task_name is not None else None,
         task_id=str(task_id) if task_id is not None else None,
         ttl_ms=_ttl_ms(message),
+    )
+
+
+def _too_large(size: int, destination: str, limit: int) -> exceptions.MessageTooLarge:
+    return exceptions.MessageTooLarge(
+        f"message of at least {size} bytes for {destination} exceeds max_message_size "
+        f"({limit} bytes); nothing was written: pass large data by reference (a row id, an "
+        "object store key) or raise the max_message_size transport option (at most "
+        f"{MAX_MESSAGE_SIZE_LIMIT} bytes)"
     )
 
 
@@ -216,3 +232,48 @@ def to_message(row: FetchedRow) -> dict[str, Any]:
     delivery_info.setdefault("routing_key", row.queue)
     message["redelivered"] = row.redelivered
     return message
+
+
+# Serializers whose bodies are checked before delivery: parsing them runs no code of the
+# message's (pickle and yaml bodies are never deserialised here; Celery refuses them unless
+# accepted, and then decodes them itself).
+_PARSED_CONTENT_TYPES = frozenset({"application/json", "application/x-json"})
+_BYTES_ENCODINGS = frozenset({"binary", "ascii-8bit"})
+
+
+def decode_problem(message: dict[str, Any]) -> str | None:
+    """Why the body of a fetched ``message`` cannot be decoded, or ``None`` if it can.
+
+    Checks what every consumer would trip over: the transport's body encoding (base64), the
+    ``content-encoding`` (an unknown codec, bytes invalid in it) and, for JSON, the JSON
+    itself. Celery acknowledges a message it cannot decode (``on_decode_error``), or fails the
+    task after acknowledging it, so the message would be *completed*; the transport marks it
+    ``failed`` with this reason instead, where ``pgskip failed`` lists it.
+    """
+    body = message.get("body")
+    if body is None:
+        return None
+    content_type = str(message.get("content-type") or "")
+    content_encoding = str(message.get("content-encoding") or "utf-8").lower()
+    body_encoding = (message.get("properties") or {}).get("body_encoding")
+    try:
+        raw = body.encode("utf-8") if isinstance(body, str) else bytes(body)
+        if body_encoding == "base64":
+            raw = base64.b64decode(raw, validate=True)
+        compression = (message.get("headers") or {}).get("compression")
+        if compression:  # as kombu's Message does, before decoding
+            try:
+                raw = decompress(raw, compression)
+            except Exception as exc:  # each codec raises its own errors
+                raise ValueError(f"cannot decompress {compression}: {exc!r}") from exc
+        if content_encoding in _BYTES_ENCODINGS:
+            return None
+        text = codecs.decode(raw, content_encoding)
+        if content_type in _PARSED_CONTENT_TYPES:
+            loads(text)
+    except (binascii.Error, LookupError, UnicodeError, ValueError, TypeError) as exc:
+        return (
+            f"undecodable message body (content-type {content_type or 'none'!r}, "
+            f"content-encoding {content_encoding!r}): {type(exc).__name__}: {exc}"
+        )
+    return None

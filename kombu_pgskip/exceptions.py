@@ -73,10 +73,41 @@ class ReadOnlyDatabase(PgSkipError):
     """The database is read-only (a standby or default_transaction_read_only):
     point the broker URL at the primary, e.g. with target_session_attrs=read-write."""
 
+    @classmethod
+    def because(
+        cls, *, standby: bool, source: str | None, user: str, database: str, where: str
+    ) -> ReadOnlyDatabase:
+        """The error naming why this session cannot write, and the statement that fixes it."""
+        if standby:
+            return cls(
+                f"the PostgreSQL server at {where} is a read-only standby (pg_is_in_recovery()): "
+                "point the broker URL at the primary, or list every server and add "
+                "?target_session_attrs=read-write so that libpq picks the primary"
+            )
+        fixes = {
+            "database": f'ALTER DATABASE "{database}" RESET default_transaction_read_only',
+            "user": f'ALTER ROLE "{user}" RESET default_transaction_read_only',
+            "database user": (
+                f'ALTER ROLE "{user}" IN DATABASE "{database}" RESET default_transaction_read_only'
+            ),
+        }
+        fix = fixes.get(source or "")
+        how = (
+            f"run `{fix};` as the owner or a superuser"
+            if fix
+            else "remove it from the connection options (PGOPTIONS, ?options=) or postgresql.conf"
+        )
+        return cls(
+            f"database {database!r} at {where} is read-only for role {user!r}: "
+            f"default_transaction_read_only is on (set by: {source or 'unknown'}); {how}, or use "
+            "a role and database that may write"
+        )
+
 
 class PermissionDenied(PgSkipError):
-    """The database role lacks a privilege kombu-pgskip needs: see the README's
-    least-privilege setup for the GRANTs."""
+    """The database role lacks a privilege kombu-pgskip needs: the schema's owner grants a
+    worker or publisher role what it needs with `celery -A proj pgskip grant --worker ROLE
+    --publisher ROLE` (docs/security.md); migrations run as the owner."""
 
 
 class MigrationError(PgSkipError):
@@ -111,6 +142,27 @@ def translate(exc: BaseException, *, url_for_messages: str | None = None) -> Bas
     if sqlstate in _AUTH_SQLSTATES:
         return AuthenticationFailed(f"{AuthenticationFailed.default_message()}{where}")
     return exc
+
+
+def connect_hint(exc: BaseException) -> str:
+    """What to do about a failed connection attempt, by SQLSTATE (libpq's own errors have none)."""
+    sqlstate = getattr(exc, "sqlstate", None) or ""
+    if sqlstate in _AUTH_SQLSTATES:
+        return "check the user and password in the broker URL, and pg_hba.conf"
+    if sqlstate == "3D000":
+        return "the database does not exist: create it or fix its name in the broker URL"
+    if sqlstate.startswith("53"):
+        return (
+            "the server is out of connections or memory: lower the workers' concurrency or "
+            "raise max_connections"
+        )
+    # libpq's own failures (refused, timed out, authentication, not PostgreSQL) carry no
+    # SQLSTATE in psycopg, and their texts are not to be matched: name every cause.
+    return (
+        "check that host and port are those of a running PostgreSQL server (not another "
+        "service on that port) that accepts connections from here, and check the user and "
+        "password in the broker URL"
+    )
 
 
 # -- apply_async_in / send_task_in ----------------------------------------------------------------

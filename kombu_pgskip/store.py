@@ -27,7 +27,7 @@ import psycopg
 
 from . import exceptions
 from .migrate import check_schema
-from .sql import queries_for
+from .sql import queries_for, queries_in
 from .urls import Connection, connect, mask_url
 
 logger = logging.getLogger(__name__)
@@ -159,8 +159,33 @@ class Store:
             _schema_checked.add(key)
 
     def connect(self) -> None:
-        """Open the connection now (and check the schema): raises if the server is unusable."""
+        """Open the connection now and check it: raises if the server is unusable.
+
+        Unless ``check`` is off, the schema must be installed at the needed version
+        (:class:`~kombu_pgskip.exceptions.SchemaError`) and the session must be able to write
+        (:class:`~kombu_pgskip.exceptions.ReadOnlyDatabase` naming the cause: a standby, or
+        ``default_transaction_read_only`` and where it was set).
+        """
         _ = self.conn
+        if self._check:
+            try:
+                self.check_writable()
+            except BaseException:
+                self.close()  # the channel is not created: nobody else would close it
+                raise
+
+    def check_writable(self) -> None:
+        """Raise :class:`~kombu_pgskip.exceptions.ReadOnlyDatabase` if this session cannot write."""
+        query = queries_in("health.sql", self.schema)["write_access"]
+        read_only, standby, source, user, database = self.run(query, {})[0]
+        if read_only:
+            raise exceptions.ReadOnlyDatabase.because(
+                standby=bool(standby),
+                source=source,
+                user=str(user),
+                database=str(database),
+                where=mask_url(self.url),
+            )
 
     def close(self) -> None:
         """Close the connection; in a forked child, only forget it."""

@@ -69,6 +69,7 @@ option                        default    meaning
 ``eta_threshold``             2.0        ETAs further away than this wait in the database
 ``fetch_limit``               100        most messages fetched in one statement
 ``max_message_size``          67108864   bytes of encoded message accepted by publish
+                                         (at most 268435456)
 ``connect_timeout``           10         seconds to wait for a connection
 ``check_schema``              True       refuse to run against a missing or outdated schema
 ``synchronous_acks``          False      False: fetches and acks run on a connection of their
@@ -78,6 +79,10 @@ option                        default    meaning
 ``async_fetch``               True       inside Celery's event loop, fetch on a connection of
                                          its own without blocking the loop (rows are delivered
                                          when the reply arrives)
+``xmin_horizon_warning``      300.0      log a WARNING naming the session, prepared transaction
+                                         or replication slot that has held the database's xmin
+                                         horizon this many seconds (dead rows cannot be
+                                         vacuumed meanwhile); 0 disables (see health.py)
 ============================  =========  ==========================================================
 """
 
@@ -104,6 +109,8 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from . import exceptions
 from .envelope import (
+    MAX_MESSAGE_SIZE_LIMIT,
+    decode_problem,
     make_tag,
     parse_tag,
     to_message,
@@ -112,6 +119,7 @@ from .envelope import (
     validate_queue_name,
 )
 from .fetcher import AsyncFetcher
+from .health import HorizonMonitor
 from .store import FetchedRow, NewMessage, Store, notify_channel, scheduled_channel
 from .urls import build_url, connect, mask_url, to_conninfo
 
@@ -139,6 +147,7 @@ class Options:
     check_schema: bool = True
     synchronous_acks: bool = False
     async_fetch: bool = True
+    xmin_horizon_warning: float = 300.0
 
     @classmethod
     def from_transport_options(cls, options: dict[str, Any]) -> Options:
@@ -171,13 +180,18 @@ class Options:
                 raise exceptions.ConfigurationError(f"transport option {name} must be > 0")
         if self.lease_seconds < 3:
             raise exceptions.ConfigurationError("transport option lease_seconds must be >= 3")
-        if self.max_attempts < 1 or self.fetch_limit < 1 or self.max_message_size < 1024:
+        if (
+            self.max_attempts < 1
+            or self.fetch_limit < 1
+            or not 1024 <= self.max_message_size <= MAX_MESSAGE_SIZE_LIMIT
+        ):
             raise exceptions.ConfigurationError(
                 "transport options max_attempts and fetch_limit must be >= 1, "
-                "max_message_size >= 1024"
+                f"max_message_size between 1024 and {MAX_MESSAGE_SIZE_LIMIT}"
             )
-        if self.eta_threshold < 0:
-            raise exceptions.ConfigurationError("transport option eta_threshold must be >= 0")
+        for name in ("eta_threshold", "xmin_horizon_warning"):
+            if getattr(self, name) < 0:
+                raise exceptions.ConfigurationError(f"transport option {name} must be >= 0")
 
 
 @dataclass
@@ -836,6 +850,18 @@ class Channel(virtual.Channel):
                 extra={"action": "ack_fenced", "consumer": str(self.consumer_id)},
             )
 
+    def _fail_undecodable(self, row: FetchedRow, reason: str) -> None:
+        """Move a message no consumer could decode to ``failed`` with ``reason`` (fenced)."""
+        if row.queue not in self._no_ack_queues:
+            self.consumer_store.fail([(row.id, row.attempts)], self.consumer_id, reason)
+        logger.error(
+            "message %s of queue %r moved to failed: %s",
+            row.id,
+            row.queue,
+            reason,
+            extra={"action": "undecodable", "message_id": row.id},
+        )
+
     def _credit_freed(self) -> None:
         transport = self.connection
         if transport is not None:
@@ -936,6 +962,7 @@ class _Heartbeat(threading.Thread):
             check=False,
             connect_timeout=transport.options.connect_timeout,
         )
+        self.horizon = HorizonMonitor(self.store, transport.options.xmin_horizon_warning)
 
     def run(self) -> None:
         opts = self.transport.options
@@ -947,6 +974,7 @@ class _Heartbeat(threading.Thread):
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + opts.sweep_interval
                     self.sweep()
+                self.horizon.maybe_check()  # throttled; logs its own failures
             except Exception as exc:
                 logger.warning(
                     "lease renewal failed: %s", exc, extra={"action": "heartbeat_failed"}
@@ -1214,12 +1242,21 @@ class Transport(virtual.Transport):
             # channel's restore on close, or the sweeper, returns it to the queue.
             for row in channel._fetch_batch(eager=eager):
                 delivered = True
-                self._deliver(to_message(row), row.queue)
+                self._deliver_row(channel, row)
             deferred = deferred or channel._refill_deferred
             more = more or channel._more_due
         self._refill_deferred = deferred
         self._more_due = more
         return delivered
+
+    def _deliver_row(self, channel: PgChannel, row: FetchedRow) -> None:
+        """Hand a fetched row to its consumer, or fail it if its body cannot be decoded."""
+        message = to_message(row)
+        problem = decode_problem(message)
+        if problem is not None:
+            channel._fail_undecodable(row, problem)
+            return
+        self._deliver(message, row.queue)
 
     def _promote(self, now: float) -> None:
         promoted, next_in = self.store.promote_scheduled()
@@ -1441,7 +1478,7 @@ class Transport(virtual.Transport):
                 channel._settle("requeue", [make_tag(r.id, r.attempts) for r in rows])
             return
         for row in rows:
-            self._deliver(to_message(row), row.queue)
+            self._deliver_row(channel, row)
         if channel._more_due or channel._pending_acks:
             self._queue_drain()
 

@@ -26,16 +26,58 @@ _SCHEMES = (
     "postgresql://",
     "postgres://",
 )
-_PASSWORD_IN_NETLOC = re.compile(r"(://[^/@:?#]*:)([^@/?#]*)(@)")
-_PASSWORD_IN_QUERY = re.compile(r"([?&]password=)([^&]*)", re.IGNORECASE)
+_SCHEME_PREFIX = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:/{0,2}")
+# key=value conninfo (password=secret, password='a b') and URL query (?password=secret)
+_PASSWORD_PARAM = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^&\s]*)", re.IGNORECASE)
+_SECRET_PIECES = re.compile(r"[@:/?#]")
 
 Connection = psycopg.Connection[TupleRow]
 
 
+def _split_secret(url: str) -> tuple[str, str, str] | None:
+    """(prefix up to the password, the password, the rest from the last ``@``), if any.
+
+    The password is taken to run from the first ``:`` of the user info to the *last* ``@``:
+    a password with an unencoded ``@`` (a common mistake) is then still masked whole.
+    """
+    match = _SCHEME_PREFIX.match(url)
+    prefix = match.group(0) if match else ""
+    rest = url[len(prefix) :]
+    at = rest.rfind("@")
+    if at < 0:
+        return None
+    user, sep, secret = rest[:at].partition(":")
+    if not sep:
+        return None
+    return f"{prefix}{user}:", secret, rest[at:]
+
+
 def mask_url(url: str) -> str:
     """The URL with its password replaced by ``***``: safe to log and to put in errors."""
-    masked = _PASSWORD_IN_NETLOC.sub(r"\1***\3", url)
-    return _PASSWORD_IN_QUERY.sub(r"\1***", masked)
+    parts = _split_secret(url)
+    masked = url if parts is None else f"{parts[0]}***{parts[2]}"
+    return _PASSWORD_PARAM.sub(r"\1***", masked)
+
+
+def scrub(text: str, url: str) -> str:
+    """``text`` (a driver's error message about ``url``) without ``url``'s password in it.
+
+    libpq echoes malformed URIs, and parts of one, in its messages.
+    """
+    text = text.replace(url, mask_url(url))
+    parts = _split_secret(url)
+    if parts is not None and parts[1]:
+        secret = parts[1]
+        for piece in sorted({secret, *_SECRET_PIECES.split(secret)}, key=len, reverse=True):
+            if len(piece) >= 4 or piece == secret:
+                text = text.replace(piece, "***")
+    return _PASSWORD_PARAM.sub(r"\1***", text)
+
+
+_ENCODE_HINT = (
+    "percent-encode reserved characters in the user and password (@ as %40, : as %3A, "
+    "/ as %2F, ? as %3F, # as %23, % as %25)"
+)
 
 
 def to_conninfo(url: str) -> str:
@@ -56,16 +98,19 @@ def to_conninfo(url: str) -> str:
     try:
         params = pg_conninfo.conninfo_to_dict(libpq)
     except psycopg.ProgrammingError as exc:
+        detail = scrub(scrub(" ".join(str(exc).split()), libpq), url)
         raise exceptions.InvalidURL(
-            f"malformed broker URL {mask_url(url)!r}: {exc}; "
-            "expected pgskip://user:password@host:5432/dbname?libpq_option=value"
+            f"malformed broker URL {mask_url(url)!r}: {detail}; "
+            f"expected pgskip://user:password@host:5432/dbname?libpq_option=value; {_ENCODE_HINT}"
         ) from None
     port = params.get("port")
     if port is not None:
         for p in str(port).split(","):
             if p and (not p.isdigit() or not 0 < int(p) < 65536):
+                # Not the port itself: with an unencoded "@" in the password, it holds part of it.
                 raise exceptions.InvalidURL(
-                    f"malformed broker URL {mask_url(url)!r}: invalid port {p!r}"
+                    f"malformed broker URL {mask_url(url)!r}: invalid port (a number from 1 "
+                    f"to 65535); {_ENCODE_HINT}"
                 )
     return libpq
 
@@ -89,8 +134,10 @@ def connect(url: str, *, autocommit: bool = True, **kwargs: Any) -> Connection:
     try:
         return psycopg.connect(conninfo, autocommit=autocommit, **kwargs)
     except psycopg.OperationalError as exc:
+        detail = scrub(scrub(str(exc).strip(), conninfo), url)
         raise exceptions.ConnectionFailed(
-            f"cannot connect to PostgreSQL at {mask_url(url)}: {exc}"
+            f"cannot connect to PostgreSQL at {mask_url(url)}: {detail} "
+            f"({exceptions.connect_hint(exc)})"
         ) from None
 
 

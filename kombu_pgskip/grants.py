@@ -1,0 +1,132 @@
+"""Least privilege: the GRANTs a worker role and a publisher role need on the broker's schema.
+
+Three roles (docs/security.md):
+
+owner
+    owns the schema (runs ``pgskip migrate``, ``beat-sync``, ``maintenance``; its pg_cron jobs
+    run as it) and runs ``pgskip grant``. Never used by workers or web processes.
+worker
+    consumes: fetches, acks, requeues, fails, leases, sweeps, promotes scheduled messages,
+    expires queues; declares queues, exchanges and bindings; publishes (tasks that start tasks,
+    remote-control replies, events). It cannot change the schema (no ``CREATE`` on it, owns
+    nothing) nor touch the periodic-task tables.
+publisher
+    inserts messages and declares what Celery declares on first publish (queues, exchanges,
+    bindings: insert and update, never delete). Of ``jobs`` it may read only the columns
+    ``INSERT ... RETURNING`` and queue sizes need (``id``, ``queue``, ``status``): not the
+    bodies, headers or errors of other messages. It may not update or delete messages.
+
+Every statement names the role and schema through ``psycopg.sql.Identifier``. Grants only add:
+running the command again changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+from . import exceptions
+from .urls import connect, mask_url, to_conninfo
+
+ALL_ROWS = "SELECT, INSERT, UPDATE, DELETE"
+
+# (table, privileges, columns): columns restrict the privileges to them (column-level grant).
+Privilege = tuple[str, str, tuple[str, ...]]
+WORKER_PRIVILEGES: tuple[Privilege, ...] = (
+    ("jobs", ALL_ROWS, ()),
+    ("queues", ALL_ROWS, ()),
+    ("exchanges", ALL_ROWS, ()),
+    ("bindings", ALL_ROWS, ()),
+    ("consumers", ALL_ROWS, ()),
+    ("migrations", "SELECT", ()),
+)
+PUBLISHER_PRIVILEGES: tuple[Privilege, ...] = (
+    ("jobs", "INSERT", ()),
+    # INSERT ... RETURNING id (publish) and queue (routed publish); counts for queue_declare.
+    ("jobs", "SELECT", ("id", "queue", "status")),
+    ("queues", "SELECT, INSERT, UPDATE", ()),
+    ("exchanges", "SELECT, INSERT, UPDATE", ()),
+    ("bindings", "SELECT, INSERT, UPDATE", ()),
+    ("consumers", "SELECT", ()),
+    ("migrations", "SELECT", ()),
+)
+WORKER_FUNCTIONS = ("expire_queues()",)
+
+
+@dataclass(frozen=True)
+class Grant:
+    role: str
+    what: str  # "worker" or "publisher"
+    statement: sql.Composed
+
+    def text(self) -> str:
+        return self.statement.as_string(None)
+
+
+def grant_statements(
+    database: str, schema: str, *, workers: list[str], publishers: list[str]
+) -> list[Grant]:
+    """The GRANTs for the worker and publisher roles, in the order to run them."""
+    if not workers and not publishers:
+        raise exceptions.ConfigurationError("name at least one --worker or --publisher role")
+    ident = sql.Identifier(schema)
+    grants: list[Grant] = []
+    for what, roles, table_privs in (
+        ("worker", workers, WORKER_PRIVILEGES),
+        ("publisher", publishers, PUBLISHER_PRIVILEGES),
+    ):
+        for role in roles:
+            who = sql.Identifier(role)
+
+            def add(statement: sql.Composed, role: str = role, what: str = what) -> None:
+                grants.append(Grant(role, what, statement))
+
+            add(sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(sql.Identifier(database), who))
+            add(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(ident, who))
+            for table, privileges, columns in table_privs:
+                cols: sql.Composable = sql.SQL("")
+                if columns:
+                    cols = sql.SQL(" ({})").format(sql.SQL(", ").join(map(sql.Identifier, columns)))
+                add(
+                    sql.SQL("GRANT {}{} ON {} TO {}").format(
+                        sql.SQL(privileges), cols, sql.Identifier(schema, table), who
+                    )
+                )
+            if what == "worker":
+                for function in WORKER_FUNCTIONS:
+                    add(
+                        sql.SQL("GRANT EXECUTE ON FUNCTION {}.{} TO {}").format(
+                            ident, sql.SQL(function), who
+                        )
+                    )
+    return grants
+
+
+def database_of(url: str) -> str:
+    params = conninfo_to_dict(to_conninfo(url))
+    return str(params.get("dbname") or params.get("user") or "postgres")
+
+
+def apply_grants(url: str, grants: list[Grant]) -> None:
+    """Run ``grants`` in one transaction as the role of ``url`` (the schema's owner)."""
+    import psycopg
+
+    with connect(url, autocommit=False) as conn:
+        try:
+            for grant in grants:
+                conn.execute(grant.statement)
+            conn.commit()
+        except psycopg.Error as exc:
+            conn.rollback()
+            translated = exceptions.translate(exc, url_for_messages=mask_url(url))
+            if translated is exc:
+                raise exceptions.ConfigurationError(
+                    f"GRANT failed, nothing was granted: {exc} (run `pgskip grant` as the "
+                    "schema's owner; the roles must exist: CREATE ROLE name LOGIN PASSWORD ...)"
+                ) from exc
+            raise translated from exc
+
+
+__all__ = ["Grant", "apply_grants", "database_of", "grant_statements"]

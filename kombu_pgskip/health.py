@@ -1,0 +1,204 @@
+"""Health checks a worker runs in the background: who holds the xmin horizon back.
+
+Every row version a fetch or an ack leaves behind can only be vacuumed once no snapshot can
+still see it. One transaction that keeps an old snapshot open (a session ``idle in
+transaction`` under REPEATABLE READ, a forgotten ``BEGIN`` in psql, a prepared transaction
+nobody commits, a replication slot of a standby that is gone) holds that horizon for the whole
+database: ``jobs`` and its indexes then grow with every message and the dequeue slows down,
+although the queue itself stays short.
+
+:class:`HorizonMonitor` finds those holders (``health.sql``: ``pg_stat_activity``,
+``pg_prepared_xacts``, ``pg_replication_slots``) and logs a WARNING naming each one that has
+held the horizon longer than the ``xmin_horizon_warning`` transport option (pid, user,
+application, state, for how long, and the query when this role may see it). It is called from
+the worker's heartbeat thread, at most every ``min(threshold / 2, 60)`` seconds, and repeats the
+warning for the same holder at most once per threshold. Failures of the check are logged and
+never disturb lease renewal.
+
+How long a horizon has been held is a lower bound: the server's clock where this role may read
+it (``state_change`` of an idle transaction, ``query_start`` of an active one, ``prepared`` of a
+prepared transaction), and otherwise how long this monitor has seen the same holder keep the
+same xmin.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .sql import queries_in
+from .store import Store
+
+logger = logging.getLogger(__name__)
+
+#: At most this many holders are read per check (the oldest ones).
+MAX_HOLDERS = 10
+#: Longest query text quoted in a warning.
+MAX_QUERY_CHARS = 200
+
+
+@dataclass(frozen=True)
+class HorizonHolder:
+    """One thing that keeps the xmin horizon of the database back."""
+
+    kind: str  # "session", "prepared transaction" or "replication slot"
+    who: str  # pid, gid or slot name
+    user: str | None
+    application_name: str | None
+    state: str | None
+    xmin: str
+    xmin_age: int  # transactions since its xmin
+    held_seconds: float | None  # lower bound from the server's clock; None when not visible
+    xact_seconds: float | None  # how long its transaction has been open, when visible
+    query: str | None
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.kind, self.who, self.xmin)
+
+    def describe(self, held_for: float) -> str:
+        """One line naming the holder, for the warning."""
+        if self.kind == "session":
+            text = f"backend pid {self.who}"
+        elif self.kind == "prepared transaction":
+            text = f"prepared transaction {self.who!r}"
+        else:
+            text = f"replication slot {self.who!r}"
+        details = [f"user={self.user}" if self.user else None]
+        if self.kind == "session":
+            details.append(f"application_name={self.application_name or ''!r}")
+        details.append(f"state={self.state or 'unknown (not visible to this role)'}")
+        details.append(f"held for at least {held_for:.0f}s")
+        if self.xact_seconds is not None and self.kind == "session":
+            details.append(f"transaction open {self.xact_seconds:.0f}s")
+        details.append(f"xmin {self.xmin} ({self.xmin_age} transactions old)")
+        if self.query and not self.query.startswith("<insufficient privilege>"):
+            query = " ".join(self.query.split())
+            if len(query) > MAX_QUERY_CHARS:
+                query = query[: MAX_QUERY_CHARS - 3] + "..."
+            details.append(f"last query: {query!r}")
+        return f"{text} ({', '.join(d for d in details if d)})"
+
+
+def _remedy(holder: HorizonHolder) -> str:
+    if holder.kind == "session":
+        return (
+            "end that transaction (commit, roll back, or "
+            f"SELECT pg_terminate_backend({holder.who})) and set "
+            "idle_in_transaction_session_timeout"
+        )
+    if holder.kind == "prepared transaction":
+        return f"COMMIT PREPARED or ROLLBACK PREPARED {holder.who!r}"
+    return (
+        f"reconnect the standby using it, or SELECT pg_drop_replication_slot({holder.who!r}) "
+        "if it is gone"
+    )
+
+
+def read_holders(store: Store, limit: int = MAX_HOLDERS) -> list[HorizonHolder]:
+    """The oldest holders of the database's xmin horizon, oldest first."""
+    query = queries_in("health.sql", store.schema)["xmin_holders"]
+    return [
+        HorizonHolder(
+            kind=str(r[0]),
+            who=str(r[1]),
+            user=r[2],
+            application_name=r[3],
+            state=r[4],
+            xmin=str(r[5]),
+            xmin_age=int(r[6]),
+            held_seconds=r[7],
+            xact_seconds=r[8],
+            query=r[9],
+        )
+        for r in store.run(query, {"limit": limit})
+    ]
+
+
+class HorizonMonitor:
+    """Warns, throttled, when something holds the xmin horizon longer than ``threshold`` s.
+
+    ``threshold`` 0 disables it. Not thread-safe: one monitor per heartbeat thread.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        threshold: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.threshold = threshold
+        self.interval = min(threshold / 2.0, 60.0)
+        self._clock = clock
+        self._next_check = 0.0
+        self._first_seen: dict[tuple[str, str, str], float] = {}
+        self._last_warned: dict[tuple[str, str, str], float] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.threshold > 0
+
+    def maybe_check(self) -> list[HorizonHolder]:
+        """Check if the interval has passed; returns the holders warned about now."""
+        if not self.enabled:
+            return []
+        now = self._clock()
+        if now < self._next_check:
+            return []
+        self._next_check = now + self.interval
+        try:
+            return self.check(now)
+        except Exception as exc:
+            logger.warning(
+                "could not check the xmin horizon (%s); will try again in %.0fs",
+                exc,
+                self.interval,
+                extra={"action": "xmin_horizon_check_failed"},
+            )
+            return []
+
+    def check(self, now: float) -> list[HorizonHolder]:
+        holders = read_holders(self.store)
+        seen = {h.key for h in holders}
+        for gone in set(self._first_seen) - seen:
+            del self._first_seen[gone]
+            self._last_warned.pop(gone, None)
+        warned = []
+        for holder in holders:
+            first = self._first_seen.setdefault(holder.key, now)
+            held_for = max(now - first, holder.held_seconds or 0.0)
+            if held_for < self.threshold:
+                continue
+            last = self._last_warned.get(holder.key)
+            if last is not None and now - last < self.threshold:
+                continue
+            self._last_warned[holder.key] = now
+            warned.append(holder)
+            logger.warning(
+                "the xmin horizon of the broker's database is held back by %s: dead rows of "
+                "%s.jobs cannot be vacuumed while it lasts, so the table and its indexes "
+                "grow and fetches slow down. To fix: %s",
+                holder.describe(held_for),
+                self.store.schema,
+                _remedy(holder),
+                extra={"action": "xmin_horizon_held", **_fields(holder, held_for)},
+            )
+        return warned
+
+
+def _fields(holder: HorizonHolder, held_for: float) -> dict[str, Any]:
+    return {
+        "holder_kind": holder.kind,
+        "holder": holder.who,
+        "holder_user": holder.user,
+        "held_seconds": round(held_for, 1),
+        "xmin_age": holder.xmin_age,
+    }
+
+
+__all__ = ["HorizonHolder", "HorizonMonitor", "read_holders"]
