@@ -308,29 +308,20 @@ class Runner:
         if pg is None:
             return
         payload = sample_payload(pg)
-        log(f"steady state: {self.mode.steady_messages} messages through pgskip")
-        self.results["steady_state"] = self.repeat(
-            "steady_state",
-            lambda: steady_state(
-                pg,
-                payload,
-                messages=self.mode.steady_messages,
-                retention=self.mode.steady_retention,
-            ),
-            runs=1,
-        )
-        log(f"steady state with autovacuum_naptime = 10s: {self.mode.steady_messages} messages")
-        self.results["steady_state_naptime10s"] = self.repeat(
-            "steady_state_naptime10s",
-            lambda: steady_state(
-                pg,
-                payload,
-                messages=self.mode.steady_messages,
-                retention=self.mode.steady_retention,
-                autovacuum_naptime="10s",
-            ),
-            runs=1,
-        )
+        for key, naptime in (("steady_state", None), ("steady_state_naptime10s", "10s")):
+            how = "" if naptime is None else f" with autovacuum_naptime = {naptime}"
+            log(f"steady state{how}: {self.mode.steady_messages} messages through pgskip")
+            self.results[key] = self.repeat(
+                key,
+                lambda naptime=naptime: steady_state(
+                    pg,
+                    payload,
+                    messages=self.mode.steady_messages,
+                    retention=self.mode.steady_retention,
+                    autovacuum_naptime=naptime,
+                ),
+                runs=1,
+            )
 
     def run(self) -> None:
         for name in ALL:
