@@ -311,17 +311,17 @@ class Runner:
         for key, naptime in (("steady_state", None), ("steady_state_naptime10s", "10s")):
             how = "" if naptime is None else f" with autovacuum_naptime = {naptime}"
             log(f"steady state{how}: {self.mode.steady_messages} messages through pgskip")
-            self.results[key] = self.repeat(
-                key,
-                lambda naptime=naptime: steady_state(
+
+            def one(naptime: str | None = naptime) -> dict[str, Any]:
+                return steady_state(
                     pg,
                     payload,
                     messages=self.mode.steady_messages,
                     retention=self.mode.steady_retention,
                     autovacuum_naptime=naptime,
-                ),
-                runs=1,
-            )
+                )
+
+            self.results[key] = self.repeat(key, one, runs=1)
 
     def run(self) -> None:
         for name in ALL:
