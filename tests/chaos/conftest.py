@@ -1,0 +1,39 @@
+"""Chaos fixtures: a broker database, the per-run task log and the figures report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.support import report_path
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/chaos/" in str(item.path).replace("\\", "/"):
+            item.add_marker(pytest.mark.chaos)
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "chaos: kills, restarts and cuts under load (tests/chaos)")
+
+
+@pytest.fixture
+def chaos_broker(db_url: str) -> str:
+    return db_url.replace("postgresql://", "pgskip://", 1)
+
+
+@pytest.fixture
+def chaos_log(tmp_path: Path) -> Path:
+    """The file the tasks append their start/finish lines to."""
+    return tmp_path / "tasks.log"
+
+
+@pytest.fixture(scope="session")
+def chaos_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where each scenario appends its figures: ``$PGSKIP_CHAOS_REPORT`` or a tmp file."""
+    path = report_path(tmp_path_factory.getbasetemp() / "chaos-report.jsonl")
+    print(f"chaos figures go to {path}")
+    return path

@@ -1,0 +1,365 @@
+"""What every chaos scenario shares: workers, seeding, the task log, the verdict, the report.
+
+Every message carries a unique integer id as its first argument (and ``chaos-<id>`` as its task
+id). The task (tests/apps/chaosapp.py) appends ``start``/``finish`` lines to a per-run log file,
+so a scenario counts, for every id, how many times its task started and finished, and knows when.
+
+The verdict (:func:`verdict`): nothing lost (every id finished at least once), and every id that
+started twice is among those a fault could legitimately make run again: the ids *in flight* at a
+fault, read from the database, never guessed from timings:
+
+* a kill: rows still ``running`` under the dead worker's consumers right after its process
+  group is gone (executing, prefetched, or finished with the ack not yet written);
+* a network cut: rows ``running`` while the proxy refuses connections (nothing can change then);
+* a database restart: rows ``running`` just before it and just after it (a fetch or ack
+  between the first look and the shutdown shows in the second), plus, after an immediate
+  (crash) restart only, ids handed out twice under the same delivery tag: a fetch committed
+  asynchronously and undone by the crash (:func:`refetched_after_crash`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from celery import Celery
+
+from kombu_pgskip.envelope import to_row
+from tests.acceptance.conftest import APPS_DIR, wait_until
+from tests.helpers import CeleryWorker
+
+TASK = "chaosapp.work"
+QUEUE = "chaos"
+#: Short leases so that a dead worker's messages come back within seconds.
+FAST_LEASES = {"PGSKIP_OPT_LEASE_SECONDS": "3", "PGSKIP_OPT_SWEEP_INTERVAL": "1"}
+
+
+def task_id(msg_id: int) -> str:
+    return f"chaos-{msg_id}"
+
+
+def msg_id_of(task_id_: str) -> int:
+    return int(task_id_.rsplit("-", 1)[1])
+
+
+# -- the task log --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event:
+    pid: int
+    host: str
+    at: float  # time.time() in the worker
+    tag: str  # the delivery tag: "<row id>.<delivery number>"
+
+
+@dataclass
+class Runs:
+    """The task log, parsed: per id, every start and every finish, in log order."""
+
+    starts: dict[int, list[Event]] = field(default_factory=lambda: defaultdict(list))
+    finishes: dict[int, list[Event]] = field(default_factory=lambda: defaultdict(list))
+
+    @classmethod
+    def read(cls, path: Path) -> Runs:
+        runs = cls()
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return runs
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) != 6:
+                continue  # a line being written right now
+            what, msg, pid, host, at, tag = parts
+            target = runs.starts if what == "start" else runs.finishes
+            target[int(msg)].append(Event(int(pid), host, float(at), tag))
+        return runs
+
+    def finished_count(self) -> int:
+        return len(self.finishes)
+
+    def first_finish(self, msg: int) -> float | None:
+        events = self.finishes.get(msg)
+        return min(e.at for e in events) if events else None
+
+
+def count_finished(path: Path) -> int:
+    """Distinct ids finished so far (cheap enough to poll at 100,000 lines)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return 0
+    return len({line.split(b" ", 2)[1] for line in data.splitlines() if line[:7] == b"finish "})
+
+
+def wait_finished(path: Path, n: int, timeout: float, what: str) -> None:
+    wait_until(lambda: count_finished(path) >= n, timeout, f"{what}: {n} ids finished")
+
+
+def refetched_after_crash(runs: Runs) -> set[int]:
+    """Ids handed out twice with the same delivery tag.
+
+    Only a fetch lost in a server crash does that: the fetch committed asynchronously, the
+    worker got the rows, the crash undid the commit, and the rows were fetched again.
+    """
+    return {
+        msg for msg, starts in runs.starts.items() if len({s.tag for s in starts}) < len(starts)
+    }
+
+
+# -- publishing ---------------------------------------------------------------------------------
+
+
+def publisher(broker_url: str) -> Celery:
+    app = Celery("chaos-publisher", broker=broker_url, set_as_current=False)
+    app.conf.task_default_queue = QUEUE
+    return app
+
+
+def seed(db_url: str, broker_url: str, ids: Iterable[int], sleep: float = 0.0) -> float:
+    """Put one ``chaosapp.work(id[, sleep])`` message per id in the queue; returns seconds taken.
+
+    Celery publishes one real message (to a scratch queue); the others are that message with
+    their own id, task id and arguments, written with ``COPY``: a backlog of 100,000 in seconds
+    instead of minutes. The rows are exactly what ``send_task`` would have stored.
+    """
+    started = time.monotonic()
+    scratch = f"chaos-template-{uuid.uuid4().hex[:8]}"
+    app = publisher(broker_url)
+    try:
+        app.send_task(TASK, args=(0,), queue=scratch, task_id=task_id(0))
+    finally:
+        app.close()
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        row = conn.execute(
+            "DELETE FROM pgskip.jobs WHERE queue = %s RETURNING payload", (scratch,)
+        ).fetchone()
+        assert row is not None
+        template: dict[str, Any] = row[0]
+        conn.execute("DELETE FROM pgskip.queues WHERE name = %s", (scratch,))
+        body = json.loads(base64.b64decode(template["body"]))
+        with conn.cursor() as cur, cur.copy(
+            "COPY pgskip.jobs (queue, priority, status, payload, task_name, task_id)"
+            " FROM STDIN"
+        ) as copy:
+            for msg in ids:
+                args = [msg, sleep] if sleep else [msg]
+                message = json.loads(json.dumps(template))
+                message["body"] = base64.b64encode(
+                    json.dumps([args, body[1], body[2]]).encode()
+                ).decode()
+                tid = task_id(msg)
+                message["headers"].update(id=tid, root_id=tid, argsrepr=repr(tuple(args)))
+                props = message["properties"]
+                props.update(correlation_id=tid, delivery_tag=str(uuid.uuid4()))
+                props["delivery_info"]["routing_key"] = QUEUE
+                new = to_row(QUEUE, message, eta_threshold=2.0, max_message_size=1 << 20)
+                copy.write_row(
+                    (new.queue, new.priority, new.status, new.payload, new.task_name, new.task_id)
+                )
+    return time.monotonic() - started
+
+
+def running_ids_of(db_url: str, worker_pid: int) -> set[int]:
+    """Ids whose rows are ``running`` under consumers registered by process ``worker_pid``."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT j.task_id FROM pgskip.jobs j JOIN pgskip.consumers c ON c.id = j.locked_by"
+            " WHERE j.status = 'running' AND c.pid = %s",
+            (worker_pid,),
+        ).fetchall()
+    return {msg_id_of(r[0]) for r in rows}
+
+
+def running_ids(db_url: str) -> set[int]:
+    """Ids whose rows are ``running`` (delivered to some consumer, not yet settled)."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT task_id FROM pgskip.jobs WHERE status = 'running' AND queue = %s", (QUEUE,)
+        ).fetchall()
+    return {msg_id_of(r[0]) for r in rows}
+
+
+def job_status_counts(db_url: str) -> dict[str, int]:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT status::text, count(*) FROM pgskip.jobs WHERE queue = %s GROUP BY 1", (QUEUE,)
+        ).fetchall()
+    return {str(r[0]): int(r[1]) for r in rows}
+
+
+# -- workers ------------------------------------------------------------------------------------
+
+
+class Fleet:
+    """Named ``chaosapp`` workers that can be killed and restarted under the same name."""
+
+    def __init__(
+        self,
+        broker_url: str,
+        log_path: Path,
+        *,
+        pool: str = "threads",
+        concurrency: int = 4,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.broker_url = broker_url
+        self.log_path = log_path
+        self.pool = pool
+        self.concurrency = concurrency
+        self.env = {**FAST_LEASES, **(env or {})}
+        self.workers: dict[str, CeleryWorker] = {}
+        self.retired: list[CeleryWorker] = []
+
+    def start(self, names: Sequence[str], wait: bool = True) -> None:
+        for name in names:
+            worker = CeleryWorker(
+                "chaosapp",
+                self.broker_url,
+                cwd=APPS_DIR,
+                pool=self.pool,
+                concurrency=self.concurrency,
+                hostname=f"{name}@%h",
+                extra_env={
+                    **self.env,
+                    "PGSKIP_CHAOS_LOG": str(self.log_path),
+                    "PGSKIP_CHAOS_HOST": name,
+                },
+            )
+            self.workers[name] = worker.start(wait_ready=False)
+        if wait:
+            for name in names:
+                self.workers[name].wait_for_log(r"@\S+ ready\.", timeout=60)
+
+    def ready(self, name: str) -> bool:
+        return "ready." in self.workers[name].log_text()
+
+    def kill(self, name: str) -> tuple[int, float]:
+        """SIGKILL the worker's process group; returns (its pid, when it was gone)."""
+        worker = self.workers.pop(name)
+        pid = worker.pid
+        worker.kill9()
+        self.retired.append(worker)
+        return pid, time.time()
+
+    def all_running(self) -> bool:
+        return all(w.is_running() for w in self.workers.values())
+
+    def stop(self) -> None:
+        for worker in self.workers.values():
+            worker.kill9()  # the verdict is already in: no need for a warm shutdown
+        for worker in [*self.workers.values(), *self.retired]:
+            worker.remove_log()
+        self.workers.clear()
+        self.retired.clear()
+
+    def logs_tail(self, chars: int = 3000) -> str:
+        return "\n".join(
+            f"--- {name} ---\n{w.log_text()[-chars:]}" for name, w in self.workers.items()
+        )
+
+
+def kill_and_restart(
+    fleet: Fleet,
+    db_url: str,
+    kills: int,
+    progress: Callable[[], int],
+    total: int,
+    rng: random.Random,
+) -> list[tuple[str, float, set[int]]]:
+    """Kill a random ready worker ``kills`` times as the run progresses, restarting each.
+
+    Kill k happens once ``progress()`` passes k/(kills+1) of ``total``. Returns, per kill, the
+    worker's name, the time, and the ids in flight on it (from the database, see module doc).
+    """
+    out: list[tuple[str, float, set[int]]] = []
+    for k in range(1, kills + 1):
+        wait_until(lambda k=k: progress() >= total * k // (kills + 1), 120, f"kill {k}'s turn")
+        wait_until(lambda: any(fleet.ready(n) for n in fleet.workers), 60, "a ready worker")
+        name = rng.choice(sorted(n for n in fleet.workers if fleet.ready(n)))
+        pid, at = fleet.kill(name)
+        out.append((name, at, running_ids_of(db_url, pid)))
+        fleet.start([name], wait=False)
+    return out
+
+
+# -- verdict and report -------------------------------------------------------------------------
+
+
+@dataclass
+class Figures:
+    scenario: str
+    messages: int
+    faults: int
+    fault_kind: str
+    duplicates: int
+    lost: int
+    in_flight_at_faults: int
+    recovery_s: float
+    wall_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        extra = " ".join(f"{k}={v}" for k, v in self.extra.items())
+        return (
+            f"chaos {self.scenario}: messages={self.messages} {self.fault_kind}={self.faults} "
+            f"duplicates={self.duplicates} (in flight at faults: {self.in_flight_at_faults}) "
+            f"lost={self.lost} recovery={self.recovery_s:.1f}s wall={self.wall_s:.1f}s {extra}"
+        ).rstrip()
+
+
+def verdict(
+    runs: Runs, ids: Iterable[int], in_flight: set[int], maybe: Iterable[int] = ()
+) -> tuple[int, int]:
+    """Assert nothing lost and duplicates only among ``in_flight``; returns (dups, lost).
+
+    ``ids`` must each finish; ``maybe`` (publishes that raised) may run or not, at most once
+    unless in flight at a fault.
+    """
+    expected = set(ids)
+    finished = set(runs.finishes)
+    lost = expected - finished
+    started = Counter({m: len(s) for m, s in runs.starts.items()})
+    dups = {m for m, n in started.items() if n > 1}
+    unexpected = (set(runs.starts) | finished) - expected - set(maybe)
+    assert not unexpected, f"ids nobody published ran: {sorted(unexpected)[:20]}"
+    assert not lost, f"{len(lost)} messages lost, e.g. {sorted(lost)[:20]}"
+    stray = dups - in_flight
+    assert not stray, (
+        f"{len(stray)} messages ran twice without being in flight at a fault, e.g. "
+        f"{[(m, runs.starts[m]) for m in sorted(stray)[:5]]}"
+    )
+    return len(dups), len(lost)
+
+
+def recovery_after(runs: Runs, fault_at: float, in_flight: set[int]) -> float:
+    """Seconds from ``fault_at`` until every id in flight then had finished (after it)."""
+    latest = fault_at
+    for msg in in_flight:
+        after = [e.at for e in runs.finishes.get(msg, []) if e.at >= fault_at]
+        done = max(after) if after else (runs.first_finish(msg) or fault_at)
+        latest = max(latest, done)
+    return latest - fault_at
+
+
+def report(figures: Figures, path: Path) -> None:
+    """Append the figures as a JSON line to ``path`` and print the one-line summary."""
+    line = {**asdict(figures), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    with open(path, "a") as fh:
+        fh.write(json.dumps(line) + "\n")
+    print(figures.summary())
+
+
+def report_path(default: Path) -> Path:
+    return Path(os.environ.get("PGSKIP_CHAOS_REPORT") or default)
