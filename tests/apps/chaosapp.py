@@ -1,9 +1,9 @@
 """The Celery app the chaos suite (tests/chaos/) runs in real ``celery worker`` processes.
 
-Its one task appends ``start|finish <id> <pid> <host> <time> <delivery tag>`` lines to the file named by
-``$PGSKIP_CHAOS_LOG``, opened with ``O_APPEND``: each line is one ``write()``, so lines from many
-processes never interleave, and the log survives database restarts, network cuts and SIGKILL
-(the database itself is what is being broken, so it cannot be the witness).
+Its one task appends ``start|finish <id> <pid> <host> <time> <delivery tag>`` lines to the file
+named by ``$PGSKIP_CHAOS_LOG``, opened with ``O_APPEND``: each line is one ``write()``, so lines
+from many processes never interleave, and the log survives database restarts, network cuts and
+SIGKILL (the database itself is what is being broken, so it cannot be the witness).
 
 Transport options come from ``$PGSKIP_OPT_<NAME>`` (as in taskapp). Celery's per-task INFO lines
 ("received", "succeeded") are turned down to WARNING: at 100,000 tasks they cost more CPU than

@@ -149,10 +149,12 @@ def seed(db_url: str, broker_url: str, ids: Iterable[int], sleep: float = 0.0) -
         template: dict[str, Any] = row[0]
         conn.execute("DELETE FROM pgskip.queues WHERE name = %s", (scratch,))
         body = json.loads(base64.b64decode(template["body"]))
-        with conn.cursor() as cur, cur.copy(
-            "COPY pgskip.jobs (queue, priority, status, payload, task_name, task_id)"
-            " FROM STDIN"
-        ) as copy:
+        with (
+            conn.cursor() as cur,
+            cur.copy(
+                "COPY pgskip.jobs (queue, priority, status, payload, task_name, task_id) FROM STDIN"
+            ) as copy,
+        ):
             for msg in ids:
                 args = [msg, sleep] if sleep else [msg]
                 message = json.loads(json.dumps(template))

@@ -1,4 +1,4 @@
-"""Scenario 2: PostgreSQL restarts twice (fast, then immediate) while tasks are published and run."""
+"""Scenario 2: PostgreSQL restarts twice (fast, immediate) while tasks are published and run."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from kombu_pgskip.embedded import EmbeddedPostgres
+from tests.acceptance.conftest import wait_until
 from tests.chaos.support import (
     TASK,
     Figures,
@@ -20,7 +21,6 @@ from tests.chaos.support import (
     task_id,
     verdict,
 )
-from tests.acceptance.conftest import wait_until
 
 MESSAGES = 20_000
 PUBLISHERS = 2
@@ -64,7 +64,8 @@ def test_postgresql_restarts_lose_no_published_task(
     ids = range(1, MESSAGES + 1)
     share = MESSAGES // PUBLISHERS
     publishers = [
-        Publisher(chaos_broker, range(1 + k * share, 1 + (k + 1) * share)) for k in range(PUBLISHERS)
+        Publisher(chaos_broker, range(1 + k * share, 1 + (k + 1) * share))
+        for k in range(PUBLISHERS)
     ]
     fleet = Fleet(chaos_broker, chaos_log)
     outages: list[tuple[str, float, float, set[int]]] = []
@@ -84,6 +85,7 @@ def test_postgresql_restarts_lose_no_published_task(
             t1 = time.time()
             after = running_ids(db_url)
             outages.append((mode, t0, t1, before | after))
+
             # Every worker reconnects by itself and runs tasks again.
             def resumed(t1: float = t1) -> bool:
                 runs = Runs.read(chaos_log)
