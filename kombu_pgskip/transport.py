@@ -73,6 +73,9 @@ option                        default    meaning
                                          own with ``synchronous_commit = off`` (a server crash
                                          can redeliver, never lose); True behind PgBouncer in
                                          transaction pooling
+``prepared_statements``       True       let psycopg prepare frequent statements; False behind
+                                         PgBouncer in transaction pooling (before 1.21, or
+                                         without ``max_prepared_statements``)
 ============================  =========  ==========================================================
 """
 
@@ -120,6 +123,17 @@ class Options:
     connect_timeout: float = 10.0
     check_schema: bool = True
     synchronous_acks: bool = False
+    prepared_statements: bool = True
+
+    @property
+    def connect_kwargs(self) -> dict[str, Any]:
+        """psycopg arguments for every broker connection of a transport."""
+        kwargs: dict[str, Any] = {"connect_timeout": self.connect_timeout}
+        if not self.prepared_statements:
+            # Transaction pooling runs each statement on any server connection: a statement
+            # psycopg prepared on one is unknown, or another statement, on the next.
+            kwargs["prepare_threshold"] = None
+        return kwargs
 
     @classmethod
     def from_transport_options(cls, options: dict[str, Any]) -> Options:
@@ -709,7 +723,7 @@ class _Heartbeat(threading.Thread):
             transport.url,
             schema=transport.options.schema,
             check=False,
-            connect_timeout=transport.options.connect_timeout,
+            **transport.options.connect_kwargs,
         )
 
     def run(self) -> None:
@@ -850,7 +864,7 @@ class Transport(virtual.Transport):
             self.url,
             schema=self.options.schema,
             check=self.options.check_schema,
-            connect_timeout=self.options.connect_timeout,
+            **self.options.connect_kwargs,
         )
 
     @cached_property
@@ -866,7 +880,7 @@ class Transport(virtual.Transport):
             schema=self.options.schema,
             check=self.options.check_schema,
             asynchronous_commit=not self.options.synchronous_acks,
-            connect_timeout=self.options.connect_timeout,
+            **self.options.connect_kwargs,
         )
 
     def driver_version(self) -> str:
