@@ -1,6 +1,6 @@
 """The Celery app the chaos suite (tests/chaos/) runs in real ``celery worker`` processes.
 
-Its one task appends ``start|finish <id> <pid> <host> <time> <delivery tag>`` lines to the file
+Its one task appends ``start|finish <id> <pid> <host> <time> <tag> <redelivered>`` lines to the file
 named by ``$PGSKIP_CHAOS_LOG``, opened with ``O_APPEND``: each line is one ``write()``, so lines
 from many processes never interleave, and the log survives database restarts, network cuts and
 SIGKILL (the database itself is what is being broken, so it cannot be the witness).
@@ -61,7 +61,9 @@ def _quiet_per_task_logs(**_: Any) -> None:
 def work(self: Any, msg_id: int, sleep: float = 0.0) -> None:
     # The delivery tag is "<row id>.<delivery number>": it tells a redelivery (a higher number)
     # from a fetch that was lost in a server crash (the same number handed out twice).
-    tag = (self.request.delivery_info or {}).get("delivery_tag", "-")
+    # Prefork children get no delivery tag, only the redelivered flag.
+    info = self.request.delivery_info or {}
+    tag = f"{info.get('delivery_tag', '-')} {int(bool(info.get('redelivered')))}"
     _append(f"start {msg_id} {os.getpid()} {_host} {time.time():.6f} {tag}\n")
     if sleep:
         time.sleep(sleep)

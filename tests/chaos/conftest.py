@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.chaos.pgbouncer import PgBouncer
 from tests.chaos.support import report_path
 
 
@@ -37,3 +39,19 @@ def chaos_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = report_path(tmp_path_factory.getbasetemp() / "chaos-report.jsonl")
     print(f"chaos figures go to {path}")
     return path
+
+
+#: Transport options for workers behind PgBouncer in transaction pooling (docs/reliability.md).
+PGBOUNCER_OPTIONS = {
+    "PGSKIP_OPT_LISTEN": "false",
+    "PGSKIP_OPT_SYNCHRONOUS_ACKS": "true",
+    "PGSKIP_OPT_PREPARED_STATEMENTS": "false",
+    "PGSKIP_OPT_POLLING_INTERVAL": "0.5",
+}
+
+
+@pytest.fixture
+def pgbouncer(pg_server_dsn: str) -> Iterator[PgBouncer]:
+    """A running pgbouncer in transaction pooling mode in front of the session's server."""
+    with PgBouncer(pg_server_dsn) as bouncer:
+        yield bouncer

@@ -60,7 +60,8 @@ class Event:
     pid: int
     host: str
     at: float  # time.time() in the worker
-    tag: str  # the delivery tag: "<row id>.<delivery number>"
+    tag: str  # the delivery tag, "<row id>.<delivery number>" ("-" in prefork children)
+    redelivered: bool
 
 
 @dataclass
@@ -79,11 +80,11 @@ class Runs:
             return runs
         for line in text.splitlines():
             parts = line.split()
-            if len(parts) != 6:
+            if len(parts) != 7:
                 continue  # a line being written right now
-            what, msg, pid, host, at, tag = parts
+            what, msg, pid, host, at, tag, redelivered = parts
             target = runs.starts if what == "start" else runs.finishes
-            target[int(msg)].append(Event(int(pid), host, float(at), tag))
+            target[int(msg)].append(Event(int(pid), host, float(at), tag, redelivered == "1"))
         return runs
 
     def finished_count(self) -> int:
@@ -94,17 +95,40 @@ class Runs:
         return min(e.at for e in events) if events else None
 
 
-def count_finished(path: Path) -> int:
-    """Distinct ids finished so far (cheap enough to poll at 100,000 lines)."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return 0
-    return len({line.split(b" ", 2)[1] for line in data.splitlines() if line[:7] == b"finish "})
+class FinishCounter:
+    """Counts distinct finished ids, reading only what was appended since the last call.
+
+    Polling a 100,000-line log from scratch ten times a second would cost the workers under
+    test a good part of a core.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+        self._done: set[bytes] = set()
+
+    def __call__(self) -> int:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return 0
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        self._done.update(line.split(b" ", 2)[1] for line in lines if line[:7] == b"finish ")
+        return len(self._done)
 
 
 def wait_finished(path: Path, n: int, timeout: float, what: str) -> None:
-    wait_until(lambda: count_finished(path) >= n, timeout, f"{what}: {n} ids finished")
+    counter = FinishCounter(path)
+    deadline = time.monotonic() + timeout
+    while counter() < n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: {counter()} of {n} ids finished after {timeout}s")
+        time.sleep(0.25)
 
 
 def refetched_after_crash(runs: Runs) -> set[int]:
@@ -114,7 +138,9 @@ def refetched_after_crash(runs: Runs) -> set[int]:
     worker got the rows, the crash undid the commit, and the rows were fetched again.
     """
     return {
-        msg for msg, starts in runs.starts.items() if len({s.tag for s in starts}) < len(starts)
+        msg
+        for msg, starts in runs.starts.items()
+        if "-" not in (tags := [s.tag for s in starts]) and len(set(tags)) < len(tags)
     }
 
 
@@ -224,7 +250,9 @@ class Fleet:
         self.workers: dict[str, CeleryWorker] = {}
         self.retired: list[CeleryWorker] = []
 
-    def start(self, names: Sequence[str], wait: bool = True) -> None:
+    def start(
+        self, names: Sequence[str], wait: bool = True, extra_args: Sequence[str] = ()
+    ) -> None:
         for name in names:
             worker = CeleryWorker(
                 "chaosapp",
@@ -238,6 +266,7 @@ class Fleet:
                     "PGSKIP_CHAOS_LOG": str(self.log_path),
                     "PGSKIP_CHAOS_HOST": name,
                 },
+                extra_args=list(extra_args),
             )
             self.workers[name] = worker.start(wait_ready=False)
         if wait:
@@ -248,12 +277,17 @@ class Fleet:
         return "ready." in self.workers[name].log_text()
 
     def kill(self, name: str) -> tuple[int, float]:
-        """SIGKILL the worker's process group; returns (its pid, when it was gone)."""
+        """SIGKILL the worker's process group; returns (its pid, when the signal was sent).
+
+        Returns once every process of the group is gone, so the database state of its rows is
+        final when the caller looks.
+        """
         worker = self.workers.pop(name)
         pid = worker.pid
+        at = time.time()
         worker.kill9()
         self.retired.append(worker)
-        return pid, time.time()
+        return pid, at
 
     def all_running(self) -> bool:
         return all(w.is_running() for w in self.workers.values())

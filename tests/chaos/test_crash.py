@@ -8,9 +8,9 @@ from pathlib import Path
 
 from tests.chaos.support import (
     Figures,
+    FinishCounter,
     Fleet,
     Runs,
-    count_finished,
     job_status_counts,
     kill_and_restart,
     recovery_after,
@@ -45,7 +45,7 @@ def run_crash_scenario(
     started = time.monotonic()
     try:
         fleet.start(WORKERS)
-        kills = kill_and_restart(fleet, db_url, KILLS, lambda: count_finished(log), MESSAGES, rng)
+        kills = kill_and_restart(fleet, db_url, KILLS, FinishCounter(log), MESSAGES, rng)
         wait_finished(log, MESSAGES, 240, scenario)
         wall = time.monotonic() - started
         time.sleep(1.5)  # let the last redeliveries, if any, show up before counting

@@ -11,9 +11,9 @@ from tests.acceptance.conftest import wait_until
 from tests.chaos.support import (
     TASK,
     Figures,
+    FinishCounter,
     Fleet,
     Runs,
-    count_finished,
     publisher,
     refetched_after_crash,
     report,
@@ -71,14 +71,13 @@ def test_postgresql_restarts_lose_no_published_task(
     outages: list[tuple[str, float, float, set[int]]] = []
     recoveries: list[float] = []
     started = time.monotonic()
+    progress = FinishCounter(chaos_log)
     try:
         fleet.start(["w1", "w2", "w3"])
         for p in publishers:
             p.start()
         for k, mode in enumerate(("fast", "immediate"), start=1):
-            wait_until(
-                lambda k=k: count_finished(chaos_log) >= MESSAGES * k // 3, 120, f"restart {k}"
-            )
+            wait_until(lambda k=k: progress() >= MESSAGES * k // 3, 120, f"restart {k}")
             before = running_ids(db_url)
             t0 = time.time()
             restartable_pg.restart(mode=mode)
