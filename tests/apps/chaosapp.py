@@ -59,9 +59,7 @@ def _quiet_per_task_logs(**_: Any) -> None:
 
 @app.task(bind=True, name=TASK_NAME, acks_late=True, reject_on_worker_lost=True)
 def work(self: Any, msg_id: int, sleep: float = 0.0) -> None:
-    # The delivery tag is "<row id>.<delivery number>": it tells a redelivery (a higher number)
-    # from a fetch that was lost in a server crash (the same number handed out twice).
-    # Prefork children get no delivery tag, only the redelivered flag.
+    # Celery 5.7 passes the redelivered flag to tasks but not the delivery tag ("-" then).
     info = self.request.delivery_info or {}
     tag = f"{info.get('delivery_tag', '-')} {int(bool(info.get('redelivered')))}"
     _append(f"start {msg_id} {os.getpid()} {_host} {time.time():.6f} {tag}\n")

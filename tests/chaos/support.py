@@ -13,8 +13,9 @@ fault, read from the database, never guessed from timings:
 * a network cut: rows ``running`` while the proxy refuses connections (nothing can change then);
 * a database restart: rows ``running`` just before it and just after it (a fetch or ack
   between the first look and the shutdown shows in the second), plus, after an immediate
-  (crash) restart only, ids handed out twice under the same delivery tag: a fetch committed
-  asynchronously and undone by the crash (:func:`refetched_after_crash`).
+  (crash) restart only, ids delivered twice as first deliveries around it: a fetch committed
+  asynchronously and undone by the crash (:func:`refetched_after_crash`); and ids whose publish
+  call overlapped a restart (the INSERT committed, the reply was lost, Celery published again).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import base64
 import json
 import os
 import random
+import sys
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -40,6 +42,8 @@ from tests.helpers import CeleryWorker
 
 TASK = "chaosapp.work"
 QUEUE = "chaos"
+#: How soon after reconnecting a worker starts the messages it had prefetched before a fault.
+PREFETCH_GRACE_S = 2.0
 #: Short leases so that a dead worker's messages come back within seconds.
 FAST_LEASES = {"PGSKIP_OPT_LEASE_SECONDS": "3", "PGSKIP_OPT_SWEEP_INTERVAL": "1"}
 
@@ -60,7 +64,7 @@ class Event:
     pid: int
     host: str
     at: float  # time.time() in the worker
-    tag: str  # the delivery tag, "<row id>.<delivery number>" ("-" in prefork children)
+    tag: str  # the delivery tag when Celery passes it to the task, else "-"
     redelivered: bool
 
 
@@ -131,17 +135,22 @@ def wait_finished(path: Path, n: int, timeout: float, what: str) -> None:
         time.sleep(0.25)
 
 
-def refetched_after_crash(runs: Runs) -> set[int]:
-    """Ids handed out twice with the same delivery tag.
+def refetched_after_crash(runs: Runs, crashed_at: float, back_at: float) -> set[int]:
+    """Ids a crash made the broker hand out twice as first deliveries.
 
-    Only a fetch lost in a server crash does that: the fetch committed asynchronously, the
-    worker got the rows, the crash undid the commit, and the rows were fetched again.
+    A fetch committed asynchronously can be undone by a server crash after the worker got its
+    rows: the row is ``pending`` again with ``redelivered`` false, and is fetched again. Such an
+    id has two starts, neither redelivered, the first before the worker could have reconnected
+    (``back_at`` plus a moment for messages it had prefetched), the second after the crash.
     """
-    return {
-        msg
-        for msg, starts in runs.starts.items()
-        if "-" not in (tags := [s.tag for s in starts]) and len(set(tags)) < len(tags)
-    }
+    out: set[int] = set()
+    for msg, starts in runs.starts.items():
+        if len(starts) < 2 or any(s.redelivered for s in starts):
+            continue
+        first, *later = sorted(s.at for s in starts)
+        if first <= back_at + PREFETCH_GRACE_S and max(later) >= crashed_at:
+            out.add(msg)
+    return out
 
 
 # -- publishing ---------------------------------------------------------------------------------
@@ -293,10 +302,17 @@ class Fleet:
         return all(w.is_running() for w in self.workers.values())
 
     def stop(self) -> None:
+        """Kill every worker; keep their logs (and print their tails) if a test is failing."""
+        failing = sys.exc_info()[0] is not None
+        if failing:
+            print(self.logs_tail())
         for worker in self.workers.values():
             worker.kill9()  # the verdict is already in: no need for a warm shutdown
         for worker in [*self.workers.values(), *self.retired]:
-            worker.remove_log()
+            if failing:
+                print(f"kept worker log {worker.log_path}")
+            else:
+                worker.remove_log()
         self.workers.clear()
         self.retired.clear()
 
