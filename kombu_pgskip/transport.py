@@ -181,6 +181,9 @@ class QoS(virtual.QoS):
     channel: Channel
 
     def ack(self, delivery_tag: Any) -> None:
+        if self.channel.connection is None:
+            self._settle_after_close("ack", delivery_tag)
+            return
         if self.channel._batching_acks():
             # Written by the event loop's next turn, together with every other ack that
             # arrived meanwhile: one statement instead of one per message. An ack lost in a
@@ -192,9 +195,29 @@ class QoS(virtual.QoS):
         self.channel._credit_freed()
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        if self.channel.connection is None:
+            self._settle_after_close("requeue" if requeue else "reject", delivery_tag)
+            return
         self.channel._settle("requeue" if requeue else "fail", [delivery_tag])
         self._quick_ack(delivery_tag)
         self.channel._credit_freed()
+
+    def _settle_after_close(self, how: str, delivery_tag: Any) -> None:
+        """A task finished after its channel closed (the connection was lost meanwhile).
+
+        There is no connection to write through: the message stays ``running`` under this
+        channel's consumer until the lease runs out, then runs again. Celery would treat an
+        exception here as fatal and stop the worker.
+        """
+        logger.warning(
+            "%s of message %s after its channel closed (connection lost): not written; the "
+            "message returns to the queue when consumer %s's lease expires",
+            how,
+            delivery_tag,
+            self.channel.consumer_id,
+            extra={"action": f"{how}_after_close"},
+        )
+        self._quick_ack(delivery_tag)
 
     def restore_unacked(self) -> list[Any]:
         """Return every delivered, unacknowledged message to ``pending`` in one statement."""
