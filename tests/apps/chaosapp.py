@@ -51,13 +51,15 @@ def _append(line: str) -> None:
     os.write(_fd, line.encode())
 
 
-@signals.after_setup_logger.connect
+@signals.after_setup_logger.connect  # type: ignore[untyped-decorator,unused-ignore]
 def _quiet_per_task_logs(**_: Any) -> None:
     for name in ("celery.app.trace", "celery.worker.strategy"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-@app.task(bind=True, name=TASK_NAME, acks_late=True, reject_on_worker_lost=True)
+@app.task(  # type: ignore[untyped-decorator,unused-ignore]
+    bind=True, name=TASK_NAME, acks_late=True, reject_on_worker_lost=True
+)
 def work(self: Any, msg_id: int, sleep: float = 0.0) -> None:
     # Celery 5.7 passes the redelivered flag to tasks but not the delivery tag ("-" then).
     info = self.request.delivery_info or {}

@@ -126,6 +126,17 @@ class FinishCounter:
         return len(self._done)
 
 
+def wait_progress(progress: Callable[[], int], n: int, what: str, timeout: float = 120) -> None:
+    """Wait until ``progress()`` (a :class:`FinishCounter`) reaches ``n``."""
+    wait_until(lambda: progress() >= n, timeout, what)
+
+
+def wait_ids_finished(path: Path, ids: Iterable[int], timeout: float, what: str) -> None:
+    """Wait until every id in ``ids`` finished at least once."""
+    wanted = set(ids)
+    wait_until(lambda: wanted <= set(Runs.read(path).finishes), timeout, what)
+
+
 def wait_finished(path: Path, n: int, timeout: float, what: str) -> None:
     counter = FinishCounter(path)
     deadline = time.monotonic() + timeout
@@ -190,17 +201,22 @@ def seed(db_url: str, broker_url: str, ids: Iterable[int], sleep: float = 0.0) -
                 "COPY pgskip.jobs (queue, priority, status, payload, task_name, task_id) FROM STDIN"
             ) as copy,
         ):
+            headers, props = template["headers"], template["properties"]
+            delivery_info = {**props["delivery_info"], "routing_key": QUEUE}
             for msg in ids:
-                args = [msg, sleep] if sleep else [msg]
-                message = json.loads(json.dumps(template))
-                message["body"] = base64.b64encode(
-                    json.dumps([args, body[1], body[2]]).encode()
-                ).decode()
+                args = (msg, sleep) if sleep else (msg,)
                 tid = task_id(msg)
-                message["headers"].update(id=tid, root_id=tid, argsrepr=repr(tuple(args)))
-                props = message["properties"]
-                props.update(correlation_id=tid, delivery_tag=str(uuid.uuid4()))
-                props["delivery_info"]["routing_key"] = QUEUE
+                message = {
+                    **template,
+                    "body": base64.b64encode(json.dumps([list(args), *body[1:]]).encode()).decode(),
+                    "headers": {**headers, "id": tid, "root_id": tid, "argsrepr": repr(args)},
+                    "properties": {
+                        **props,
+                        "correlation_id": tid,
+                        "delivery_tag": str(uuid.uuid4()),
+                        "delivery_info": delivery_info,
+                    },
+                }
                 new = to_row(QUEUE, message, eta_threshold=2.0, max_message_size=1 << 20)
                 copy.write_row(
                     (new.queue, new.priority, new.status, new.payload, new.task_name, new.task_id)
@@ -337,7 +353,7 @@ def kill_and_restart(
     """
     out: list[tuple[str, float, set[int]]] = []
     for k in range(1, kills + 1):
-        wait_until(lambda k=k: progress() >= total * k // (kills + 1), 120, f"kill {k}'s turn")
+        wait_progress(progress, total * k // (kills + 1), f"kill {k}'s turn")
         wait_until(lambda: any(fleet.ready(n) for n in fleet.workers), 60, "a ready worker")
         name = rng.choice(sorted(n for n in fleet.workers if fleet.ready(n)))
         pid, at = fleet.kill(name)

@@ -23,6 +23,8 @@ from tests.chaos.support import (
     seed,
     task_id,
     verdict,
+    wait_ids_finished,
+    wait_progress,
 )
 
 MESSAGES = 20_000
@@ -87,7 +89,7 @@ def test_postgresql_restarts_lose_no_published_task(
         for p in publishers:
             p.start()
         for k, mode in enumerate(("fast", "immediate"), start=1):
-            wait_until(lambda k=k: progress() >= MESSAGES * k // 3, 120, f"restart {k}")
+            wait_progress(progress, MESSAGES * k // 3, f"restart {k}")
             assert all(p.is_alive() for p in publishers), "restart while publishing"
             before = running_ids(db_url)
             t0 = time.time()
@@ -109,9 +111,7 @@ def test_postgresql_restarts_lose_no_published_task(
             assert not p.is_alive(), "a publisher hung"
         ok = [*range(1, SEEDED + 1), *(m for p in publishers for m in p.ok)]
         failed = [m for p in publishers for m, _ in p.failed]
-        wait_until(
-            lambda: set(Runs.read(chaos_log).finishes) >= set(ok), 180, "every published task"
-        )
+        wait_ids_finished(chaos_log, ok, 180, "every published task")
         wall = time.monotonic() - started
         time.sleep(1.5)
         assert fleet.all_running(), fleet.logs_tail()

@@ -74,7 +74,7 @@ def test_long_tasks_run_once_while_their_worker_lives_and_again_soon_after_it_di
         redelivery.append(second.at - killed_at)
     assert max(redelivery) < REDELIVERY_BOUND_S, (redelivery, REDELIVERY_BOUND_S)
     with psycopg.connect(db_url) as conn:
-        rows = dict(
+        rows: dict[str, int] = dict(
             conn.execute("SELECT task_id, attempts FROM pgskip.jobs WHERE status = 'completed'")
         )
     assert {msg: rows[task_id(msg)] for msg in range(1, 5)} == {
