@@ -18,10 +18,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "chaos: kills, restarts and cuts under load (tests/chaos)")
-
-
 @pytest.fixture
 def chaos_broker(db_url: str) -> str:
     return db_url.replace("postgresql://", "pgskip://", 1)
