@@ -7,7 +7,8 @@ returns at once; the loop watches the socket and collects the rows when they arr
 kombu's Redis transport sends ``BRPOP`` and reads the reply later).
 
 It speaks libpq directly (``psycopg.pq``), on a connection opened by psycopg: one prepared
-statement, parameters and results in text format.
+statement (or, with ``prepared=False`` for PgBouncer in transaction pooling, the statement text
+every time), parameters and results in text format.
 """
 
 from __future__ import annotations
@@ -69,11 +70,18 @@ class AsyncFetcher:
     """
 
     def __init__(
-        self, url: str, *, schema: str, asynchronous_commit: bool, connect_timeout: float
+        self,
+        url: str,
+        *,
+        schema: str,
+        asynchronous_commit: bool,
+        connect_timeout: float,
+        prepared: bool = True,
     ) -> None:
         self.url = url
         self.schema = schema
         self._asynchronous_commit = asynchronous_commit
+        self._prepared = prepared
         self._connect_timeout = connect_timeout
         self._conn: psycopg.Connection[Any] | None = None
         self._pid = os.getpid()
@@ -97,11 +105,12 @@ class AsyncFetcher:
             try:
                 if self._asynchronous_commit:
                     conn.execute("SET synchronous_commit TO off")
-                res = conn.pgconn.prepare(_STATEMENT, self._query)
-                if res.status != pq.ExecStatus.COMMAND_OK:
-                    raise psycopg.DatabaseError(
-                        f"cannot prepare the fetch statement: {res.get_error_message()}"
-                    )
+                if self._prepared:
+                    res = conn.pgconn.prepare(_STATEMENT, self._query)
+                    if res.status != pq.ExecStatus.COMMAND_OK:
+                        raise psycopg.DatabaseError(
+                            f"cannot prepare the fetch statement: {res.get_error_message()}"
+                        )
             except BaseException:
                 conn.close()
                 raise
@@ -131,7 +140,11 @@ class AsyncFetcher:
             "consumer": str(consumer).encode(),
         }
         try:
-            pgconn.send_query_prepared(_STATEMENT, [values[n] for n in self._order])
+            params = [values[n] for n in self._order]
+            if self._prepared:
+                pgconn.send_query_prepared(_STATEMENT, params)
+            else:
+                pgconn.send_query_params(self._query, params)
             while pgconn.flush():  # 1 while data remains to be sent: rare for a small query
                 select.select([], [pgconn.socket], [], 1.0)
         except psycopg.OperationalError:

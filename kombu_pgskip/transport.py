@@ -83,6 +83,9 @@ option                        default    meaning
                                          or replication slot that has held the database's xmin
                                          horizon this many seconds (dead rows cannot be
                                          vacuumed meanwhile); 0 disables (see health.py)
+``prepared_statements``       True       let psycopg prepare frequent statements; False behind
+                                         PgBouncer in transaction pooling (before 1.21, or
+                                         without ``max_prepared_statements``)
 ============================  =========  ==========================================================
 """
 
@@ -148,6 +151,17 @@ class Options:
     synchronous_acks: bool = False
     async_fetch: bool = True
     xmin_horizon_warning: float = 300.0
+    prepared_statements: bool = True
+
+    @property
+    def connect_kwargs(self) -> dict[str, Any]:
+        """psycopg arguments for every broker connection of a transport."""
+        kwargs: dict[str, Any] = {"connect_timeout": self.connect_timeout}
+        if not self.prepared_statements:
+            # Transaction pooling runs each statement on any server connection: a statement
+            # psycopg prepared on one is unknown, or another statement, on the next.
+            kwargs["prepare_threshold"] = None
+        return kwargs
 
     @classmethod
     def from_transport_options(cls, options: dict[str, Any]) -> Options:
@@ -211,6 +225,9 @@ class QoS(virtual.QoS):
     channel: Channel
 
     def ack(self, delivery_tag: Any) -> None:
+        if self.channel.connection is None:
+            self._settle_after_close("ack", delivery_tag)
+            return
         if self.channel._batching_acks():
             # Written by the event loop's next turn, together with every other ack that
             # arrived meanwhile: one statement instead of one per message. An ack lost in a
@@ -222,9 +239,29 @@ class QoS(virtual.QoS):
         self.channel._credit_freed()
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        if self.channel.connection is None:
+            self._settle_after_close("requeue" if requeue else "reject", delivery_tag)
+            return
         self.channel._settle("requeue" if requeue else "fail", [delivery_tag])
         self._quick_ack(delivery_tag)
         self.channel._credit_freed()
+
+    def _settle_after_close(self, how: str, delivery_tag: Any) -> None:
+        """A task finished after its channel closed (the connection was lost meanwhile).
+
+        There is no connection to write through: the message stays ``running`` under this
+        channel's consumer until the lease runs out, then runs again. Celery would treat an
+        exception here as fatal and stop the worker.
+        """
+        logger.warning(
+            "%s of message %s after its channel closed (connection lost): not written; the "
+            "message returns to the queue when consumer %s's lease expires",
+            how,
+            delivery_tag,
+            self.channel.consumer_id,
+            extra={"action": f"{how}_after_close"},
+        )
+        self._quick_ack(delivery_tag)
 
     def restore_unacked(self) -> list[Any]:
         """Return every delivered, unacknowledged message to ``pending`` in one statement."""
@@ -774,6 +811,7 @@ class Channel(virtual.Channel):
                 transport.url,
                 schema=self.options.schema,
                 asynchronous_commit=not self.options.synchronous_acks,
+                prepared=self.options.prepared_statements,
                 connect_timeout=self.options.connect_timeout,
             )
         return self._fetcher
@@ -960,7 +998,7 @@ class _Heartbeat(threading.Thread):
             transport.url,
             schema=transport.options.schema,
             check=False,
-            connect_timeout=transport.options.connect_timeout,
+            **transport.options.connect_kwargs,
         )
         self.horizon = HorizonMonitor(self.store, transport.options.xmin_horizon_warning)
 
@@ -1113,7 +1151,7 @@ class Transport(virtual.Transport):
             self.url,
             schema=self.options.schema,
             check=self.options.check_schema,
-            connect_timeout=self.options.connect_timeout,
+            **self.options.connect_kwargs,
         )
 
     @cached_property
@@ -1129,7 +1167,7 @@ class Transport(virtual.Transport):
             schema=self.options.schema,
             check=self.options.check_schema,
             asynchronous_commit=not self.options.synchronous_acks,
-            connect_timeout=self.options.connect_timeout,
+            **self.options.connect_kwargs,
         )
 
     def driver_version(self) -> str:

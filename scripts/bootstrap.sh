@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup of a fresh Debian/Ubuntu machine for kombu-pgskip development:
-#   1. PostgreSQL server binaries and pg_cron (apt), python3-venv when missing;
+#   1. PostgreSQL server binaries and pg_cron (apt), pgbouncer (tests/chaos), python3-venv when
+#      missing;
 #   2. .venv in the repo root with `pip install -e ".[test]"`.
 # Run as root or as a user with sudo. A second run changes nothing and installs nothing
 # (the pip step reruns only when pyproject.toml changes).
@@ -96,6 +97,8 @@ find_python() {
 missing=()
 [ -x "$BINDIR/initdb" ] && [ -x "$BINDIR/pg_ctl" ] || missing+=("postgresql-$MAJOR")
 [ -f "$LIBDIR/pg_cron.so" ] || missing+=("postgresql-$MAJOR-cron")
+# The chaos suite runs workers through Debian's pgbouncer in transaction pooling.
+command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
 PY=""
 if [ ! -x "$VENV/bin/python" ]; then
     PY="$(find_python || true)"
@@ -122,11 +125,13 @@ if [ "${#missing[@]}" -gt 0 ]; then
         "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
         apt-get install -y -q --no-install-recommends "${missing[@]}"
 else
-    step "system packages present (PostgreSQL $MAJOR, pg_cron, Python venv)"
+    step "system packages present (PostgreSQL $MAJOR, pg_cron, pgbouncer, Python venv)"
 fi
 
 [ -x "$BINDIR/initdb" ] || die "initdb still missing in $BINDIR after installing"
 [ -f "$LIBDIR/pg_cron.so" ] || die "pg_cron still missing in $LIBDIR after installing"
+command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] \
+    || die "pgbouncer still missing after installing"
 
 # --- virtualenv ------------------------------------------------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then

@@ -35,6 +35,7 @@ from tests.helpers import make_url
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes tens of seconds; still runs in CI")
     config.addinivalue_line("markers", "acceptance: drives real celery worker subprocesses")
+    config.addinivalue_line("markers", "chaos: kills, restarts and cuts under load (tests/chaos)")
 
 
 @dataclass(frozen=True)

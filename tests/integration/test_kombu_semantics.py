@@ -130,3 +130,21 @@ def test_an_expired_celery_task_is_still_delivered_so_the_worker_can_revoke_it(
     assert message.headers["id"] == result.id
     assert message.headers["expires"] is not None  # the worker compares it and revokes
     message.ack()
+
+
+def test_ack_after_the_channel_closed_is_logged_and_the_message_comes_back(
+    conn: Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A task that outlives its connection (PostgreSQL restarted meanwhile) is acked through a
+    # closed channel: Celery stops the worker on any exception other than a connection error.
+    q = Queue("late-ack", Exchange("late-ack"), routing_key="late-ack")
+    Producer(conn).publish({"n": 1}, exchange=q.exchange, routing_key="late-ack", declare=[q])
+    channel = conn.channel()
+    message = channel.basic_get("late-ack")
+    assert message is not None
+    channel.close()
+    message.ack()
+    assert "after its channel closed" in caplog.text
+    (again,) = take(conn, q, 1)
+    assert again.delivery_info["redelivered"] is True
+    again.ack()

@@ -138,3 +138,11 @@ def test_options_defaults_and_coercion() -> None:
 def test_invalid_options_raise_configuration_error(options: dict[str, object]) -> None:
     with pytest.raises(exceptions.ConfigurationError):
         Options.from_transport_options(options)
+
+
+def test_prepared_statements_off_disables_psycopg_statement_preparation() -> None:
+    # Behind PgBouncer in transaction pooling a prepared statement lives on one server
+    # connection and the next statement may run on another (tests/chaos/test_pgbouncer.py).
+    assert Options().connect_kwargs == {"connect_timeout": 10.0}
+    opts = Options.from_transport_options({"prepared_statements": "false"})
+    assert opts.connect_kwargs == {"connect_timeout": 10.0, "prepare_threshold": None}
