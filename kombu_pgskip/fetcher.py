@@ -60,6 +60,14 @@ def _array(values: Sequence[Any]) -> bytes:
     return ("{" + ",".join(parts) + "}").encode()
 
 
+def _error(pgconn: pq.abc.PGconn, message: str) -> psycopg.Error:
+    """A lost connection is an ``OperationalError`` (kombu and Celery reconnect); anything
+    else a ``DatabaseError``."""
+    if pgconn.status != pq.ConnStatus.OK:
+        return psycopg.OperationalError(message)
+    return psycopg.DatabaseError(message)
+
+
 class AsyncFetcher:
     """One ``ack_fetch`` in flight at a time on a dedicated connection.
 
@@ -108,9 +116,8 @@ class AsyncFetcher:
                 if self._prepared:
                     res = conn.pgconn.prepare(_STATEMENT, self._query)
                     if res.status != pq.ExecStatus.COMMAND_OK:
-                        raise psycopg.DatabaseError(
-                            f"cannot prepare the fetch statement: {res.get_error_message()}"
-                        )
+                        message = res.get_error_message()
+                        raise _error(conn.pgconn, f"cannot prepare the fetch statement: {message}")
             except BaseException:
                 conn.close()
                 raise
@@ -168,7 +175,7 @@ class AsyncFetcher:
             self._drop()
             raise
         limit, self._sent = self._sent, None
-        return (*self._parse(results), limit)
+        return (*self._parse(pgconn, results), limit)
 
     def wait(self, timeout: float = 30.0) -> tuple[int, list[FetchedRow], int] | None:
         """Block until the fetch in flight (if any) completes."""
@@ -182,13 +189,17 @@ class AsyncFetcher:
                 raise psycopg.OperationalError(f"no answer to a fetch within {timeout} s")
         return None
 
-    def _parse(self, results: list[pq.abc.PGresult]) -> tuple[int, list[FetchedRow]]:
+    def _parse(
+        self, pgconn: pq.abc.PGconn, results: list[pq.abc.PGresult]
+    ) -> tuple[int, list[FetchedRow]]:
         acked = 0
         rows: list[tuple[Any, ...]] = []
         for res in results:
             if res.status != pq.ExecStatus.TUPLES_OK:
-                message = res.get_error_message()
-                raise psycopg.DatabaseError(f"fetch failed: {message}")
+                error = _error(pgconn, f"fetch failed: {res.get_error_message()}")
+                if isinstance(error, psycopg.OperationalError):
+                    self._drop()
+                raise error
             for i in range(res.ntuples):
                 acked = int(res.get_value(i, 0) or 0)
                 if res.get_value(i, 1) is None:

@@ -28,13 +28,16 @@ _SSL_REQUEST = 80877103
 _GSSENC_REQUEST = 80877104
 
 
-def statement_kind(sql: str) -> str | None:
-    """Which broker statement ``sql`` is: ``fetch``, ``ack`` or ``None`` (see queries.sql)."""
+def statement_kinds(sql: str) -> tuple[str, ...]:
+    """What broker statement ``sql`` does: ``fetch``, ``ack``, both (``ack_fetch``, which
+    writes the acks queued since the last fetch and fetches in one statement), or neither
+    (see queries.sql)."""
+    kinds: tuple[str, ...] = ()
     if "SET status = 'running'" in sql:
-        return "fetch"
+        kinds += ("fetch",)
     if "SET status = 'completed'" in sql:
-        return "ack"
-    return None
+        kinds += ("ack",)
+    return kinds
 
 
 @dataclass
@@ -43,7 +46,7 @@ class _ClientStream:
 
     buf: bytearray = field(default_factory=bytearray)
     started: bool = False  # past the (untyped) startup phase
-    statements: dict[bytes, str | None] = field(default_factory=dict)  # prepared name -> kind
+    statements: dict[bytes, tuple[str, ...]] = field(default_factory=dict)  # prepared name -> kinds
 
     def feed(self, data: bytes) -> list[str]:
         """Kinds of the statements whose execution ``data`` completes the request of."""
@@ -70,19 +73,15 @@ class _ClientStream:
             body = bytes(self.buf[5 : 1 + length])
             del self.buf[: 1 + length]
             if tag == b"Q":
-                kind = statement_kind(body.split(b"\0", 1)[0].decode(errors="replace"))
-                if kind:
-                    kinds.append(kind)
+                kinds += statement_kinds(body.split(b"\0", 1)[0].decode(errors="replace"))
             elif tag == b"P":
                 name, rest = body.split(b"\0", 1)
-                self.statements[name] = statement_kind(
+                self.statements[name] = statement_kinds(
                     rest.split(b"\0", 1)[0].decode(errors="replace")
                 )
             elif tag == b"B":
                 _portal, rest = body.split(b"\0", 1)
-                kind = self.statements.get(rest.split(b"\0", 1)[0])
-                if kind:
-                    kinds.append(kind)
+                kinds += self.statements.get(rest.split(b"\0", 1)[0], ())
 
 
 class _Pipe:
