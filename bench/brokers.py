@@ -2,9 +2,9 @@
 
 * ``pgskip``: an :class:`~kombu_pgskip.embedded.EmbeddedPostgres` with ``fsync`` on (durable
   commits, as in production), database ``pgskip_bench``, schema migrated.
-* ``pgskip-async``: the same database; only the *publisher* connects with
-  ``synchronous_commit=off`` (libpq ``options`` in the URL), the opt-in mode whose risk is that
-  the last few hundred milliseconds of acknowledged publishes can be lost if the server crashes.
+* ``pgskip-async``: the same database with the transport option ``durable_publish=False``:
+  publishes commit with ``synchronous_commit=off``, the opt-in mode whose risk is that the last
+  few hundred milliseconds of acknowledged publishes can be lost if the server crashes.
 * ``sqlalchemy``: kombu's SQLAlchemy transport on the same cluster, database ``sqla_bench``.
 * ``rabbitmq``: 127.0.0.1:5672 (guest/guest), pyamqp without publisher confirms.
 * ``redis``: 127.0.0.1:6379, database 13 (flushed between measurements), no AOF.
@@ -22,7 +22,6 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
 
 import psycopg
 
@@ -30,7 +29,6 @@ from .common import log
 
 REDIS_DB = 13
 PG_DATABASES = ("pgskip_bench", "sqla_bench", "raw_bench")
-ASYNC_OPTIONS = "?options=" + quote("-c synchronous_commit=off")
 
 
 @dataclass
@@ -214,9 +212,9 @@ class BenchEnv:
             )
             self.brokers["pgskip-async"] = Broker(
                 "pgskip-async",
-                "pgskip, publisher with synchronous_commit=off (opt-in)",
+                "pgskip, durable_publish=False (opt-in asynchronous commit of publishes)",
                 url=f"pgskip://{host}/pgskip_bench",
-                publish_url=f"pgskip://{host}/pgskip_bench{ASYNC_OPTIONS}",
+                transport_options={"durable_publish": False},
                 db_url=pg_url,
                 available=True,
             )

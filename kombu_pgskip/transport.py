@@ -79,6 +79,9 @@ option                        default    meaning
 ``async_fetch``               True       inside Celery's event loop, fetch on a connection of
                                          its own without blocking the loop (rows are delivered
                                          when the reply arrives)
+``durable_publish``           True       False: publishes commit with ``synchronous_commit =
+                                         off`` (faster; a PostgreSQL crash can lose publishes
+                                         acknowledged in the last ~0.6 s; opt-in only)
 ``xmin_horizon_warning``      300.0      log a WARNING naming the session, prepared transaction
                                          or replication slot that has held the database's xmin
                                          horizon this many seconds (dead rows cannot be
@@ -150,6 +153,7 @@ class Options:
     check_schema: bool = True
     synchronous_acks: bool = False
     async_fetch: bool = True
+    durable_publish: bool = True
     xmin_horizon_warning: float = 300.0
     prepared_statements: bool = True
 
@@ -1146,11 +1150,13 @@ class Transport(virtual.Transport):
 
     @cached_property
     def store(self) -> Store:
-        """Publishing, declarations, operators' queries: every commit is durable."""
+        """Publishing, declarations, operators' queries: every commit is durable (unless
+        ``durable_publish`` is False: then commits return before the WAL flush)."""
         return Store(
             self.url,
             schema=self.options.schema,
             check=self.options.check_schema,
+            asynchronous_commit=not self.options.durable_publish,
             **self.options.connect_kwargs,
         )
 

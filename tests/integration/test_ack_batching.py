@@ -30,6 +30,16 @@ def test_consumer_connection_commits_asynchronously_and_publisher_durably(db_url
         assert consumer_conn is not transport.store.conn
 
 
+def test_durable_publish_false_is_an_opt_in_asynchronous_publisher(db_url: str) -> None:
+    with Connection(_broker(db_url), transport_options={"durable_publish": False}) as conn:
+        conn.connect()
+        store = conn.transport.store
+        assert store.conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+    with Connection(_broker(db_url), transport_options={"durable_publish": "false"}) as conn:
+        conn.connect()
+        assert conn.transport.options.durable_publish is False
+
+
 def test_synchronous_acks_option_keeps_every_commit_durable(db_url: str) -> None:
     with Connection(_broker(db_url), transport_options={"synchronous_acks": True}) as conn:
         conn.connect()
