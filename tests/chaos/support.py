@@ -46,6 +46,9 @@ QUEUE = "chaos"
 PREFETCH_GRACE_S = 2.0
 #: Short leases so that a dead worker's messages come back within seconds.
 FAST_LEASES = {"PGSKIP_OPT_LEASE_SECONDS": "3", "PGSKIP_OPT_SWEEP_INTERVAL": "1"}
+#: How long a dead consumer's rows may take to be swept back and completed with FAST_LEASES
+#: (lease 3 s + sweep 1 s + a reconnect or poll), with a wide margin for a loaded machine.
+REDELIVERY_WAIT_S = 30.0
 
 
 def task_id(msg_id: int) -> str:
@@ -143,6 +146,21 @@ def wait_finished(path: Path, n: int, timeout: float, what: str) -> None:
     while counter() < n:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: {counter()} of {n} ids finished after {timeout}s")
+        time.sleep(0.25)
+
+
+def wait_all_completed(db_url: str, n: int, timeout: float) -> None:
+    """Until every row of the queue is ``completed`` (the workers must still run).
+
+    A task that finished just before its worker was killed may have had its ack still queued
+    (acks are written with the next fetch): its row stays ``running`` under the dead consumer
+    until a live worker's sweeper returns it (``lease_seconds`` plus the sweep interval) and it
+    runs again. Nothing is lost, but the table only converges once that has happened.
+    """
+    deadline = time.monotonic() + timeout
+    while (counts := job_status_counts(db_url)) != {"completed": n}:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"rows not all completed after {timeout}s: {counts}")
         time.sleep(0.25)
 
 

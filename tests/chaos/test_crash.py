@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from tests.chaos.support import (
+    REDELIVERY_WAIT_S,
     Figures,
     FinishCounter,
     Fleet,
@@ -17,6 +18,7 @@ from tests.chaos.support import (
     report,
     seed,
     verdict,
+    wait_all_completed,
     wait_finished,
 )
 
@@ -48,6 +50,7 @@ def run_crash_scenario(
         kills = kill_and_restart(fleet, db_url, KILLS, FinishCounter(log), MESSAGES, rng)
         wait_finished(log, MESSAGES, 240, scenario)
         wall = time.monotonic() - started
+        wait_all_completed(db_url, MESSAGES, REDELIVERY_WAIT_S)
         time.sleep(1.5)  # let the last redeliveries, if any, show up before counting
         assert fleet.all_running(), fleet.logs_tail()
     finally:

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from tests.chaos.proxy import CuttingProxy
 from tests.chaos.support import (
+    REDELIVERY_WAIT_S,
     Figures,
     FinishCounter,
     Fleet,
@@ -18,6 +19,7 @@ from tests.chaos.support import (
     running_ids,
     seed,
     verdict,
+    wait_all_completed,
     wait_finished,
     wait_ids_finished,
     wait_progress,
@@ -57,6 +59,7 @@ def test_connection_cuts_mid_fetch_and_mid_ack_lose_nothing(
                 )
             wait_finished(chaos_log, MESSAGES, 180, "network cuts")
             wall = time.monotonic() - started
+            wait_all_completed(db_url, MESSAGES, REDELIVERY_WAIT_S)
             time.sleep(1.5)
             assert fleet.all_running(), fleet.logs_tail()
             logs = {name: w.log_text() for name, w in fleet.workers.items()}
