@@ -8,6 +8,8 @@ kombu's ``connection_errors`` keep catching it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -196,3 +198,17 @@ class UnsupportedCanvas(TransactionalEnqueueError):
     """A chord cannot be enqueued in a transaction: Celery publishes a chord's header through the
     app's own broker connection, outside your transaction. Enqueue a task that starts the chord,
     or start the chord after commit."""
+
+
+@contextmanager
+def translating(*, url_for_messages: str) -> Iterator[None]:
+    """Re-raise the psycopg errors that have a clearer meaning as :func:`translate` maps them."""
+    try:
+        yield
+    except PgSkipError:
+        raise
+    except psycopg.Error as exc:
+        translated = translate(exc, url_for_messages=url_for_messages)
+        if translated is not exc:
+            raise translated from exc
+        raise

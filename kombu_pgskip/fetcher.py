@@ -13,7 +13,6 @@ every time), parameters and results in text format.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -26,7 +25,7 @@ import psycopg
 from psycopg import pq
 
 from .sql import queries_for
-from .store import FetchedRow
+from .store import FetchedRow, fetched_rows
 from .urls import connect
 
 logger = logging.getLogger(__name__)
@@ -192,6 +191,7 @@ class AsyncFetcher:
     def _parse(
         self, pgconn: pq.abc.PGconn, results: list[pq.abc.PGresult]
     ) -> tuple[int, list[FetchedRow]]:
+        """``ack_fetch``'s text-format result as (acks still ours, rows in delivery order)."""
         acked = 0
         rows: list[tuple[Any, ...]] = []
         for res in results:
@@ -201,26 +201,23 @@ class AsyncFetcher:
                     self._drop()
                 raise error
             for i in range(res.ntuples):
-                acked = int(res.get_value(i, 0) or 0)
-                if res.get_value(i, 1) is None:
+                value = res.get_value
+                acked = int(value(i, 0) or 0)
+                if value(i, 1) is None:
                     continue  # the lone row of a fetch that found nothing
                 rows.append(
                     (
-                        int(res.get_value(i, 1) or 0),
-                        (res.get_value(i, 2) or b"").decode(),
-                        json.loads(res.get_value(i, 3) or b"{}"),
-                        res.get_value(i, 4) == b"t",
-                        int(res.get_value(i, 5) or 0),
-                        int(res.get_value(i, 7) or 0),
-                        int(res.get_value(i, 8) or 0),
+                        int(value(i, 1) or 0),  # id
+                        (value(i, 2) or b"").decode(),  # queue
+                        (value(i, 3) or b"{}").decode(),  # payload (JSON text)
+                        value(i, 4) == b"t",  # redelivered
+                        int(value(i, 5) or 0),  # attempts
+                        None,  # expires_at (not used by consumers)
+                        int(value(i, 7) or 0),  # priority
+                        int(value(i, 8) or 0),  # round-robin rank
                     )
                 )
-        rows.sort(key=lambda r: (-r[5], r[6], r[0]))
-        fetched = [
-            FetchedRow(id=r[0], queue=r[1], payload=r[2], redelivered=r[3], attempts=r[4])
-            for r in rows
-        ]
-        return acked, fetched
+        return acked, fetched_rows(rows)
 
     def _drop(self) -> None:
         conn, self._conn, self._sent = self._conn, None, None

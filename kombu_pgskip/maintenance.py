@@ -276,16 +276,8 @@ class FailedMessage:
 
 
 def _run(url: str, schema: str, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-    try:
-        with connect(url) as conn:
-            return conn.execute(queries_in("periodic.sql", schema)[name], params).fetchall()
-    except exceptions.PgSkipError:
-        raise
-    except Exception as exc:
-        translated = exceptions.translate(exc, url_for_messages=mask_url(url))
-        if translated is not exc:
-            raise translated from exc
-        raise
+    with exceptions.translating(url_for_messages=mask_url(url)), connect(url) as conn:
+        return conn.execute(queries_in("periodic.sql", schema)[name], params).fetchall()
 
 
 def list_failed(url: str, schema: str, filt: FailedFilter) -> list[FailedMessage]:

@@ -710,16 +710,8 @@ class StoredEntry:
 
 def list_entries(url: str, schema: str) -> list[StoredEntry]:
     q = queries_in("periodic.sql", schema)
-    try:
-        with connect(url) as conn:
-            rows = conn.execute(q["beat_list"]).fetchall()
-    except exceptions.PgSkipError:
-        raise
-    except Exception as exc:
-        translated = exceptions.translate(exc, url_for_messages=mask_url(url))
-        if translated is not exc:
-            raise translated from exc
-        raise
+    with exceptions.translating(url_for_messages=mask_url(url)), connect(url) as conn:
+        rows = conn.execute(q["beat_list"]).fetchall()
     return [
         StoredEntry(
             str(r[0]),

@@ -199,13 +199,8 @@ class Store:
 
     def execute(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """Run the named statement; driver errors that have a clearer meaning are translated."""
-        try:
+        with exceptions.translating(url_for_messages=mask_url(self.url)):
             return self.run(self.q[name], params)
-        except psycopg.Error as exc:
-            translated = exceptions.translate(exc, url_for_messages=mask_url(self.url))
-            if translated is not exc:
-                raise translated from exc
-            raise
 
     def run(self, query: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         cur = self.conn.execute(query, params)
@@ -324,7 +319,7 @@ class Store:
             "fetch_noack" if no_ack else "fetch",
             {"queues": list(queues), "limit": limit, "consumer": consumer},
         )
-        return _fetched(rows)
+        return fetched_rows(rows)
 
     def ack_fetch(
         self,
@@ -346,7 +341,7 @@ class Store:
             },
         )
         acked = int(rows[0][0]) if rows else 0
-        return acked, _fetched([r[1:] for r in rows if r[1] is not None])
+        return acked, fetched_rows([r[1:] for r in rows if r[1] is not None])
 
     def ack(self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID) -> int:
         """Mark (id, attempt) pairs completed; returns how many were still ours."""
@@ -483,8 +478,9 @@ class Store:
         return [dict(zip(cols, r, strict=True)) for r in self.execute("queue_stats", {})]
 
 
-def _fetched(rows: list[tuple[Any, ...]]) -> list[FetchedRow]:
-    """Rows of ``fetch`` (id, queue, payload, redelivered, attempts, expires_at, priority, rn)
+def fetched_rows(rows: list[tuple[Any, ...]]) -> list[FetchedRow]:
+    """Rows of ``fetch`` (or ``ack_fetch`` without its first column; the payload as a dict or
+    as JSON text) (id, queue, payload, redelivered, attempts, expires_at, priority, rn)
     in delivery order: priority first, then round-robin across queues."""
     rows.sort(key=lambda r: (-r[6], r[7], r[0]))
     return [

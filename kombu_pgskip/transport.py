@@ -774,24 +774,20 @@ class Channel(virtual.Channel):
         ack_queues = [q for q in queues if q not in self._no_ack_queues]
         noack_queues = [q for q in queues if q in self._no_ack_queues]
         out: list[FetchedRow] = []
-        if noack_queues:
+        if noack_queues:  # never with an async fetcher (see _async_fetcher)
             out += self.consumer_store.fetch(noack_queues, limit, self.consumer_id, no_ack=True)
-        if ack_queues and not out and fetcher is not None:
-            pairs = self._take_acks()
-            fetcher.send(pairs, ack_queues, limit, self.consumer_id)
-            self._fetch_acks = len(pairs)
-            self.connection._watch_fetch(self, fetcher)
-            return []
         if ack_queues and len(out) < limit:
             pairs = self._take_acks()
-            if pairs:
-                done, rows = self.consumer_store.ack_fetch(
-                    pairs, ack_queues, limit - len(out), self.consumer_id
-                )
-                self._acks_written(len(pairs), done)
-                out += rows
-            else:
-                out += self.consumer_store.fetch(ack_queues, limit - len(out), self.consumer_id)
+            if fetcher is not None:
+                fetcher.send(pairs, ack_queues, limit, self.consumer_id)
+                self._fetch_acks = len(pairs)
+                self.connection._watch_fetch(self, fetcher)
+                return []  # the rows arrive with the reply (Transport._on_fetch_readable)
+            done, rows = self.consumer_store.ack_fetch(
+                pairs, ack_queues, limit - len(out), self.consumer_id
+            )
+            self._acks_written(len(pairs), done)
+            out += rows
         else:
             self.flush_acks()
         self._more_due = len(out) >= limit

@@ -105,17 +105,18 @@ SELECT id, queue, task_name, task_id, attempts, finished_at, last_error
  ORDER BY finished_at, id
  LIMIT %(limit)s;
 
+-- failed_matching: (fragment, included as {@failed_matching}) the ids of failed messages matching the filters, oldest first, locked
+SELECT id FROM {schema}.jobs
+ WHERE status = 'failed'
+   AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
+   AND (%(task)s::text IS NULL OR task_name LIKE %(task)s::text ESCAPE '\')
+   AND (%(older_than)s::interval IS NULL OR finished_at < now() - %(older_than)s::interval)
+ ORDER BY finished_at, id
+ LIMIT %(limit)s
+   FOR UPDATE SKIP LOCKED
+
 -- failed_retry: put failed messages matching the filters back to pending with a fresh attempt count; wakes workers
-WITH picked AS (
-    SELECT id FROM {schema}.jobs
-     WHERE status = 'failed'
-       AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
-       AND (%(task)s::text IS NULL OR task_name LIKE %(task)s::text ESCAPE '\')
-       AND (%(older_than)s::interval IS NULL OR finished_at < now() - %(older_than)s::interval)
-     ORDER BY finished_at, id
-     LIMIT %(limit)s
-       FOR UPDATE SKIP LOCKED
-), r AS (
+WITH picked AS ({@failed_matching}), r AS (
     UPDATE {schema}.jobs AS j
        SET status = 'pending', attempts = 0, redelivered = false, run_at = now(),
            locked_by = NULL, locked_at = NULL, finished_at = NULL
@@ -128,16 +129,7 @@ WITH picked AS (
 SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM n);
 
 -- failed_purge: delete failed messages matching the filters; returns the exact count
-WITH picked AS (
-    SELECT id FROM {schema}.jobs
-     WHERE status = 'failed'
-       AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
-       AND (%(task)s::text IS NULL OR task_name LIKE %(task)s::text ESCAPE '\')
-       AND (%(older_than)s::interval IS NULL OR finished_at < now() - %(older_than)s::interval)
-     ORDER BY finished_at, id
-     LIMIT %(limit)s
-       FOR UPDATE SKIP LOCKED
-), d AS (
+WITH picked AS ({@failed_matching}), d AS (
     DELETE FROM {schema}.jobs AS j USING picked WHERE j.id = picked.id RETURNING 1
 )
 SELECT count(*) FROM d;

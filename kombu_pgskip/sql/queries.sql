@@ -53,32 +53,20 @@ SELECT x.id, x.priority,
  ORDER BY x.priority DESC, rn
  LIMIT %(limit)s
 
--- fetch: take up to limit due messages from the given queues, round-robin across queues, mark them running
-WITH picked AS ({@due})
+-- take: (fragment, included as {@take} after a CTE named picked) mark the picked rows running under the consumer; returns what a consumer needs
 UPDATE {schema}.jobs AS jobs
    SET status = 'running', locked_by = %(consumer)s, locked_at = now(), attempts = jobs.attempts + 1
   FROM picked
  WHERE jobs.id = picked.id
 RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts, jobs.expires_at,
-          picked.priority, picked.rn;
+          picked.priority, picked.rn
+
+-- fetch: take up to limit due messages from the given queues, round-robin across queues, mark them running
+WITH picked AS ({@due})
+{@take};
 
 -- ack_fetch: ack delivered messages (fenced, as ack) and fetch (as fetch) in one round trip; every row starts with how many acks were still ours, and a lone row with no message says nothing was due
-WITH acked AS (
-    UPDATE {schema}.jobs AS jobs
-       SET status = 'completed', finished_at = now(), locked_by = NULL
-      FROM unnest(%(ids)s::bigint[], %(attempts)s::integer[]) AS a(id, attempts)
-     WHERE jobs.id = a.id AND jobs.attempts = a.attempts
-       AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
-    RETURNING jobs.id
-), picked AS ({@due}), taken AS (
-    UPDATE {schema}.jobs AS jobs
-       SET status = 'running', locked_by = %(consumer)s, locked_at = now(),
-           attempts = jobs.attempts + 1
-      FROM picked
-     WHERE jobs.id = picked.id
-    RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts, jobs.expires_at,
-              picked.priority, picked.rn
-)
+WITH acked AS ({@ack}), picked AS ({@due}), taken AS ({@take})
 SELECT a.n, t.id, t.queue, t.payload, t.redelivered, t.attempts, t.expires_at, t.priority, t.rn
   FROM (SELECT count(*) AS n FROM acked) AS a
   LEFT JOIN taken AS t ON true;
