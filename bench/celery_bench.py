@@ -122,7 +122,7 @@ def publish_breakdown(
 
     * Celery + kombu: the same ``apply_async`` to kombu's in-memory transport;
     * pgskip envelope: ``to_row`` (JSON encoding of the kombu message);
-    * SQL: time inside ``Store.run`` (the INSERT statement and its commit);
+    * SQL: time inside ``Store.execute_direct`` (the INSERT statement and its commit);
     * commit wait: SQL time minus the SQL time of the same statement with
       ``synchronous_commit=off`` (the WAL flush the publisher waits for).
     """
@@ -142,14 +142,14 @@ def publish_breakdown(
     out["celery_kombu_memory_us"] = round(1e6 * (time.perf_counter() - t0) / n, 1)
     mem.close()
 
-    orig_run = store_mod.Store.run
+    orig_run = store_mod.Store.execute_direct
     orig_to_row = transport_mod.to_row
     acc = {"sql": 0.0, "to_row": 0.0}
 
-    def timed_run(self: Any, query: Any, params: Any) -> Any:
+    def timed_run(self: Any, name: str, params: Any) -> Any:
         c0 = time.perf_counter()
         try:
-            return orig_run(self, query, params)
+            return orig_run(self, name, params)
         finally:
             acc["sql"] += time.perf_counter() - c0
 
@@ -160,7 +160,7 @@ def publish_breakdown(
         finally:
             acc["to_row"] += time.perf_counter() - c0
 
-    store_mod.Store.run = timed_run  # type: ignore[method-assign]
+    store_mod.Store.execute_direct = timed_run  # type: ignore[method-assign]
     transport_mod.to_row = timed_to_row
     try:
         for broker in (pgskip, pgskip_async):
@@ -182,36 +182,27 @@ def publish_breakdown(
             out[f"{key}_rate"] = round(1 / total, 1)
             app.close()
     finally:
-        store_mod.Store.run = orig_run  # type: ignore[method-assign]
+        store_mod.Store.execute_direct = orig_run  # type: ignore[method-assign]
         transport_mod.to_row = orig_to_row
 
-    # The pgskip publish statement alone, from psycopg, with a real payload.
+    # The pgskip publish statement alone, as the transport runs it, with a real payload.
     with psycopg.connect(pgskip.db_url or "", autocommit=True) as conn:
         row = conn.execute(
             "SELECT queue, payload::text, task_name, task_id FROM pgskip.jobs LIMIT 1"
         ).fetchone()
     if row is not None:
-        from kombu_pgskip.sql import queries_for
+        from kombu_pgskip.store import NewMessage, Store
 
-        q = queries_for("pgskip")["publish"]
-        params = {
-            "queue": row[0],
-            "priority": 0,
-            "status": "pending",
-            "run_at": None,
-            "payload": row[1],
-            "task_name": row[2],
-            "task_id": row[3],
-            "ttl_ms": None,
-        }
+        message = NewMessage(row[0], 0, "pending", None, row[1], row[2], row[3], None)
         for key, opts in (("sync", ""), ("async", "-c synchronous_commit=off")):
-            with psycopg.connect(pgskip.db_url or "", autocommit=True, options=opts) as conn:
-                for _ in range(50):
-                    conn.execute(q, params, prepare=True)
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    conn.execute(q, params, prepare=True)
-                out[f"statement_{key}_us"] = round(1e6 * (time.perf_counter() - t0) / n, 1)
+            store = Store(pgskip.db_url or "", check=False, options=opts)
+            for _ in range(50):
+                store.publish(message)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                store.publish(message)
+            out[f"statement_{key}_us"] = round(1e6 * (time.perf_counter() - t0) / n, 1)
+            store.close()
         out["payload_bytes"] = len(row[1])
     s = out
     if "sync_total_us" in s and "async_sql_us" in s:

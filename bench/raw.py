@@ -4,7 +4,8 @@ SQL ceilings (psycopg 3, autocommit, fsync on, the ``raw_bench`` database): a ta
 pgskip's ``jobs`` (``CREATE TABLE ... (LIKE pgskip.jobs INCLUDING ALL)``: same columns and
 indexes, no trigger), a real Celery message as payload.
 
-* single-row INSERT, one durable commit each, one connection;
+* single-row INSERT, one durable commit each, one connection, through psycopg and through
+  libpq itself (as the transport's publish runs);
 * SKIP LOCKED dequeue of 100 rows (returning the payloads), then one batched ack statement,
   with 1 and 4 clients (processes);
 * the same dequeue with one ack statement per row, 1 and 4 clients; and, to show where that
@@ -128,33 +129,53 @@ def _dequeue_client(
         return n, time.perf_counter() - t0
 
 
-def _publish_client(
+def _insert_client_libpq(
     start_at: float, url: str, payload: str, seconds: float, options: str
 ) -> tuple[int, float]:
-    """pgskip's own publish statement (its trigger NOTIFYs at commit) on ``pgskip.jobs``."""
-    from kombu_pgskip.sql import queries_for
+    """The same INSERT through libpq itself (one prepared statement, text parameters): what
+    the INSERT costs without psycopg's per-call overhead, as the transport's publish runs."""
+    from psycopg import pq
 
-    q = queries_for("pgskip")["publish"]
-    params = {
-        "queue": "q",
-        "priority": 0,
-        "status": "pending",
-        "run_at": None,
-        "payload": payload,
-        "task_name": "bench.noop",
-        "task_id": "x",
-        "ttl_ms": None,
-    }
+    from kombu_pgskip.libpq import positional
+
+    query = positional(INSERT.replace("%s", "%(payload)s", 1).replace("%s", "%(task_id)s", 1))[0]
     with psycopg.connect(url, autocommit=True, options=options) as conn:
-        conn.execute(q, params, prepare=True)
+        pgconn = conn.pgconn
+        res = pgconn.prepare(b"ceiling_insert", query.encode())
+        assert res.status == pq.ExecStatus.COMMAND_OK, res.get_error_message()
+        data = payload.encode()
         _until(start_at)
         n = 0
         t0 = time.perf_counter()
         end = t0 + seconds
         while time.perf_counter() < end:
-            conn.execute(q, params, prepare=True)
+            res = pgconn.exec_prepared(b"ceiling_insert", [data, str(n).encode()])
+            if res.status != pq.ExecStatus.COMMAND_OK:
+                raise RuntimeError(res.get_error_message())
             n += 1
         return n, time.perf_counter() - t0
+
+
+def _publish_client(
+    start_at: float, url: str, payload: str, seconds: float, options: str
+) -> tuple[int, float]:
+    """pgskip's own publish statement (INSERT + NOTIFY) on ``pgskip.jobs``, run as the
+    transport runs it (``Store.publish``, through libpq)."""
+    from kombu_pgskip.store import NewMessage, Store
+
+    message = NewMessage("q", 0, "pending", None, payload, "bench.noop", "x", None)
+    store = Store(url, check=False, options=options)
+    store.publish(message)
+    _until(start_at)
+    n = 0
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    while time.perf_counter() < end:
+        store.publish(message)
+        n += 1
+    elapsed = time.perf_counter() - t0
+    store.close()
+    return n, elapsed
 
 
 def _store_client(start_at: float, url: str, seconds: float, limit: int) -> tuple[int, float]:
@@ -246,10 +267,11 @@ def sql_ceilings(
 
     sync, async_ = "", "-c synchronous_commit=off"
     go("insert_1c", _insert_client, [(raw_url, payload, seconds, sync)], 0)
+    go("insert_1c_libpq", _insert_client_libpq, [(raw_url, payload, seconds, sync)], 0)
     if not short:
         go("insert_1c_async_commit", _insert_client, [(raw_url, payload, seconds, async_)], 0)
         go("insert_4c", _insert_client, [(raw_url, payload, seconds, sync)] * 4, 0)
-    # pgskip's publish statement: the INSERT plus the trigger's NOTIFY at commit.
+    # pgskip's publish statement: the INSERT and its NOTIFY, as the transport runs it.
     for clients in (1,) if short else (1, 4):
         reset(0, "pgskip.jobs")
         load = quiet()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import select
 import uuid
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
+from .libpq import array_literal, connection_error, positional
 from .sql import queries_for
 from .store import FetchedRow, fetched_rows
 from .urls import connect
@@ -31,40 +31,7 @@ from .urls import connect
 logger = logging.getLogger(__name__)
 
 _STATEMENT = b"pgskip_ack_fetch"
-_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 _PARAMS = ("ids", "attempts", "queues", "limit", "consumer")
-
-
-def _positional(text: str) -> tuple[str, list[str]]:
-    """``%(name)s`` placeholders as ``$n`` (one number per name), and the names in order."""
-    names: list[str] = []
-
-    def number(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name not in names:
-            names.append(name)
-        return f"${names.index(name) + 1}"
-
-    return _PLACEHOLDER.sub(number, text), names
-
-
-def _array(values: Sequence[Any]) -> bytes:
-    """A PostgreSQL array literal of ``values`` (ints, or strings quoted and escaped)."""
-    parts = []
-    for v in values:
-        if isinstance(v, int):
-            parts.append(str(v))
-        else:
-            parts.append('"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"')
-    return ("{" + ",".join(parts) + "}").encode()
-
-
-def _error(pgconn: pq.abc.PGconn, message: str) -> psycopg.Error:
-    """A lost connection is an ``OperationalError`` (kombu and Celery reconnect); anything
-    else a ``DatabaseError``."""
-    if pgconn.status != pq.ConnStatus.OK:
-        return psycopg.OperationalError(message)
-    return psycopg.DatabaseError(message)
 
 
 class AsyncFetcher:
@@ -94,7 +61,7 @@ class AsyncFetcher:
         self._pid = os.getpid()
         self._sent: int | None = None  # the limit of the fetch in flight
         text = queries_for(schema)["ack_fetch"].as_string(None)
-        query, names = _positional(text)
+        query, names = positional(text)
         assert set(names) == set(_PARAMS), names
         self._query = query.encode()
         self._order = names
@@ -116,7 +83,9 @@ class AsyncFetcher:
                     res = conn.pgconn.prepare(_STATEMENT, self._query)
                     if res.status != pq.ExecStatus.COMMAND_OK:
                         message = res.get_error_message()
-                        raise _error(conn.pgconn, f"cannot prepare the fetch statement: {message}")
+                        raise connection_error(
+                            conn.pgconn, f"cannot prepare the fetch statement: {message}"
+                        )
             except BaseException:
                 conn.close()
                 raise
@@ -139,9 +108,9 @@ class AsyncFetcher:
             raise RuntimeError("a fetch is already in flight")
         pgconn = self._pgconn()
         values = {
-            "ids": _array([t[0] for t in tags]),
-            "attempts": _array([t[1] for t in tags]),
-            "queues": _array(list(queues)),
+            "ids": array_literal([t[0] for t in tags]),
+            "attempts": array_literal([t[1] for t in tags]),
+            "queues": array_literal(list(queues)),
             "limit": str(max(limit, 0)).encode(),
             "consumer": str(consumer).encode(),
         }
@@ -196,7 +165,7 @@ class AsyncFetcher:
         rows: list[tuple[Any, ...]] = []
         for res in results:
             if res.status != pq.ExecStatus.TUPLES_OK:
-                error = _error(pgconn, f"fetch failed: {res.get_error_message()}")
+                error = connection_error(pgconn, f"fetch failed: {res.get_error_message()}")
                 if isinstance(error, psycopg.OperationalError):
                     self._drop()
                 raise error

@@ -131,6 +131,10 @@ class _CallerStore(Store):
     def close(self) -> None:
         """Never close the caller's connection: it is not ours."""
 
+    def execute_direct(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """Through the caller's driver, as every statement here."""
+        return self.execute(name, params)
+
     def publish_many(self, messages: Sequence[NewMessage]) -> list[int]:
         """As :meth:`Store.publish_many`; the caller's transaction makes the chunks atomic."""
         return [i for chunk in publish_chunks(messages) for i in self._publish_chunk(chunk)]

@@ -3,37 +3,58 @@
 -- Every transition out of 'running' is fenced by (locked_by, attempts): a consumer whose lease
 -- was taken away changes nothing.
 
--- publish: insert one message; priority clamped to the queue's x-max-priority, TTL from the message or the queue
-WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s)
-INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
-SELECT %(queue)s,
-       LEAST(%(priority)s, COALESCE((SELECT max_priority FROM q), 255)),
-       %(status)s::{schema}.job_status,
-       COALESCE(%(run_at)s::timestamptz, now()),
-       %(payload)s::json,
-       %(task_name)s,
-       %(task_id)s,
-       now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0)
-RETURNING id;
+-- publish: insert one message, priority clamped to the queue's x-max-priority, TTL from the message or the queue; wakes the queue's consumers at commit (a scheduled message announces its due time instead); returns the id
+WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
+i AS (
+    INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
+    SELECT %(queue)s,
+           LEAST(%(priority)s, COALESCE((SELECT max_priority FROM q), 255)),
+           %(status)s::{schema}.job_status,
+           COALESCE(%(run_at)s::timestamptz, now()),
+           %(payload)s::json,
+           %(task_name)s,
+           %(task_id)s,
+           now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0)
+    RETURNING id, status
+)
+SELECT i.id,
+       CASE WHEN i.status = 'pending' THEN pg_notify(%(channel)s, %(queue)s)
+            ELSE pg_notify(%(scheduled_channel)s,
+                           extract(epoch FROM %(run_at)s::timestamptz)::text) END
+  FROM i;
 
--- publish_many: insert many messages in one statement, given as one JSON array of rows (queue, priority, status, run_at, payload, task_name, task_id, ttl_ms); priority clamped and TTL applied per queue as publish does; returns the ids in order
-INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
-SELECT m.queue,
-       LEAST(m.priority, COALESCE(q.max_priority, 255)),
-       m.status::{schema}.job_status,
-       COALESCE(m.run_at, now()),
-       m.payload,
-       m.task_name,
-       m.task_id,
-       now() + make_interval(secs => LEAST(m.ttl_ms, q.message_ttl) / 1000.0)
-  FROM ROWS FROM (json_to_recordset(%(rows)s::json)
-                  AS (queue text, priority integer, status text, run_at timestamptz,
-                      payload json, task_name text, task_id text, ttl_ms bigint))
-       WITH ORDINALITY AS m(queue, priority, status, run_at, payload, task_name, task_id,
-                            ttl_ms, n)
-  LEFT JOIN {schema}.queues AS q ON q.name = m.queue
- ORDER BY m.n
-RETURNING id;
+-- publish_many: insert many messages in one statement, given as one JSON array of rows (queue, priority, status, run_at, payload, task_name, task_id, ttl_ms); priority clamped, TTL applied and consumers woken as publish does; returns the ids in order
+WITH m AS MATERIALIZED (
+    SELECT *
+      FROM ROWS FROM (json_to_recordset(%(rows)s::json)
+                      AS (queue text, priority integer, status text, run_at timestamptz,
+                          payload json, task_name text, task_id text, ttl_ms bigint))
+           WITH ORDINALITY AS m(queue, priority, status, run_at, payload, task_name, task_id,
+                                ttl_ms, n)
+), i AS (
+    INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
+    SELECT m.queue,
+           LEAST(m.priority, COALESCE(q.max_priority, 255)),
+           m.status::{schema}.job_status,
+           COALESCE(m.run_at, now()),
+           m.payload,
+           m.task_name,
+           m.task_id,
+           now() + make_interval(secs => LEAST(m.ttl_ms, q.message_ttl) / 1000.0)
+      FROM m
+      LEFT JOIN {schema}.queues AS q ON q.name = m.queue
+     ORDER BY m.n
+    -- Only columns a publisher role may read (grants.py): the due time comes from the input.
+    RETURNING id, queue, status
+), woken AS (
+    SELECT pg_notify(%(channel)s, d.queue)
+      FROM (SELECT DISTINCT queue FROM i WHERE status = 'pending') AS d
+    UNION ALL
+    SELECT pg_notify(%(scheduled_channel)s, extract(epoch FROM min(m.run_at))::text)
+      FROM m WHERE m.status = 'scheduled' HAVING count(*) > 0
+)
+-- Identity values follow insertion order, so ORDER BY id returns them as the rows were given.
+SELECT i.id FROM i WHERE (SELECT count(*) FROM woken) >= 0 ORDER BY i.id;
 
 -- due: (fragment, included as {@due}) up to limit due messages of the given queues, locked, round-robin across queues in delivery order
 SELECT x.id, x.priority,
@@ -257,7 +278,7 @@ SELECT queue,
  GROUP BY queue
  ORDER BY queue;
 
--- publish_routed: insert one message into every live queue the exchange routes routing_key to (bindings of all processes, plus the queues this process bound); returns the queues
+-- publish_routed: insert one message into every live queue the exchange routes routing_key to (bindings of all processes, plus the queues this process bound), waking their consumers as publish does; returns the queues
 WITH targets AS (
     SELECT t.queue FROM unnest(%(queues)s::text[]) AS t(queue)
     UNION
@@ -278,18 +299,24 @@ WITH targets AS (
         OR q.last_used_at + q.expires * interval '1 millisecond' > now()
         OR EXISTS (SELECT 1 FROM {schema}.consumers AS c
                     WHERE q.name = ANY (c.queues) AND c.lease_until > now())
+), i AS (
+    INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
+    SELECT live.queue,
+           LEAST(%(priority)s, COALESCE(live.max_priority, 255)),
+           %(status)s::{schema}.job_status,
+           COALESCE(%(run_at)s::timestamptz, now()),
+           %(payload)s::json,
+           %(task_name)s,
+           %(task_id)s,
+           now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, live.message_ttl) / 1000.0)
+      FROM live
+    RETURNING queue, status
 )
-INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
-SELECT live.queue,
-       LEAST(%(priority)s, COALESCE(live.max_priority, 255)),
-       %(status)s::{schema}.job_status,
-       COALESCE(%(run_at)s::timestamptz, now()),
-       %(payload)s::json,
-       %(task_name)s,
-       %(task_id)s,
-       now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, live.message_ttl) / 1000.0)
-  FROM live
-RETURNING queue;
+SELECT i.queue,
+       CASE WHEN i.status = 'pending' THEN pg_notify(%(channel)s, i.queue)
+            ELSE pg_notify(%(scheduled_channel)s,
+                           extract(epoch FROM %(run_at)s::timestamptz)::text) END
+  FROM i;
 
 -- route: the live queues the exchange routes routing_key to, from the bindings of all processes
 SELECT b.queue
