@@ -6,6 +6,11 @@
    ``pg_stat_statements`` and ``pg_stat_wal`` counting statements, rows and WAL flushes per task.
 2. Publisher: ``N`` durable ``apply_async`` calls under cProfile (``publisher.pstats``), with the
    same statement counts.
+3. CPU per publish (``--publish-cpu`` runs only this): client CPU (the process's CPU time),
+   server CPU (the backend's utime + stime from ``/proc``) and wall time per durable publish,
+   for a kombu ``Producer`` to a named direct exchange and to the default exchange and for
+   Celery's ``apply_async``; medians of 5 rounds of 2,000. CPU time is far less disturbed by
+   other load than wall time, so it shows what a change to the publish path saves.
 
 It runs its own EmbeddedPostgres (fsync on) with ``pg_stat_statements`` preloaded.
 """
@@ -21,13 +26,14 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
 from .brokers import Broker
-from .common import REPO, log
+from .common import REPO, log, median
 from .workers import StampDir, Worker, new_queue, publish_backlog, publisher_app
 
 STATS = """
@@ -90,6 +96,69 @@ def top_frames(collapsed: Path, limit: int = 25) -> list[tuple[str, float]]:
     )
 
 
+def _backend_cpu_s(pid: int) -> float:
+    """utime + stime of a local PostgreSQL backend, in seconds."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def publish_cpu(broker: Broker, *, rounds: int = 5, n: int = 2000) -> dict[str, Any]:
+    """Client CPU, backend CPU and wall time per durable publish, in microseconds."""
+    from kombu import Connection, Exchange, Producer, Queue
+
+    app = publisher_app(broker, new_queue("cpu"))
+    task = app.tasks["bench.noop"]
+    body = {"i": 0, "pad": "x" * 200}
+    out: dict[str, Any] = {"rounds": rounds, "calls_per_round": n}
+    with Connection(broker.url, transport_options=broker.transport_options) as conn:
+        chan = conn.channel()
+        named = Exchange("bench.cpu", "direct", durable=True)
+        Queue("bench.cpu", named, routing_key="bench.cpu", durable=True)(chan).declare()
+        calls: dict[str, Callable[..., Any]] = {
+            "kombu_named_exchange": Producer(
+                chan, exchange=named, routing_key="bench.cpu", serializer="json"
+            ).publish,
+            "kombu_default_exchange": Producer(
+                chan, exchange=Exchange(""), routing_key="bench.cpu", serializer="json"
+            ).publish,
+            "celery_apply_async": lambda *_a, **_k: task.apply_async(kwargs={"i": 0}),
+        }
+        for call in calls.values():
+            for _ in range(50):
+                call(body, delivery_mode=2)
+        kombu_pid = chan.store.conn.info.backend_pid
+        with psycopg.connect(broker.db_url or "", autocommit=True) as admin:
+            pids = {
+                r[0]
+                for r in admin.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name = 'kombu-pgskip'"
+                )
+            }
+            celery_pid = (pids - {kombu_pid}).pop()
+            samples: dict[str, list[tuple[float, float, float]]] = {k: [] for k in calls}
+            for _ in range(rounds):
+                for name, call in calls.items():
+                    pid = celery_pid if name.startswith("celery") else kombu_pid
+                    c0, b0, w0 = time.process_time(), _backend_cpu_s(pid), time.perf_counter()
+                    for _ in range(n):
+                        call(body, delivery_mode=2)
+                    w1, b1, c1 = time.perf_counter(), _backend_cpu_s(pid), time.process_time()
+                    samples[name].append(
+                        (1e6 * (c1 - c0) / n, 1e6 * (b1 - b0) / n, 1e6 * (w1 - w0) / n)
+                    )
+                admin.execute("TRUNCATE pgskip.jobs")
+    app.close()
+    for name, rows in samples.items():
+        out[name] = {
+            key: round(float(median(r[i] for r in rows) or 0.0), 1)
+            for i, key in enumerate(("client_cpu_us", "server_cpu_us", "wall_us"))
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from kombu_pgskip import migrate
     from kombu_pgskip.embedded import EmbeddedPostgres
@@ -99,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "profile"))
     parser.add_argument("--pool", default="threads")
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument(
+        "--publish-cpu", action="store_true", help="only the CPU per publish (part 3)"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         conn = psycopg.connect(url, autocommit=True)
         conn.execute("CREATE EXTENSION pg_stat_statements")
+        if args.publish_cpu:
+            report = {"publish_cpu": publish_cpu(broker)}
+            conn.close()
+            return _write(out, report)
 
         # 1. worker side under py-spy
         queue = new_queue("prof")
@@ -208,9 +284,14 @@ def main(argv: list[str] | None = None) -> int:
             pstats.Stats(prof, stream=fh).sort_stats("cumulative").print_stats(35)
         app.close()
         app2.close()
+        report["publish_cpu"] = publish_cpu(broker)
         conn.close()
     finally:
         pg.cleanup()
+    return _write(out, report)
+
+
+def _write(out: Path, report: dict[str, Any]) -> int:
     (out / "profile.json").write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps(report, indent=1, default=str))
     log(f"profile written to {out}")

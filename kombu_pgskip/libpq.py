@@ -97,24 +97,36 @@ class Statement:
             if not self.prepared:
                 res = pgconn.exec_params(self.query, values)
             else:
-                if self._prepared_on is not pgconn:
-                    prep = pgconn.prepare(self.name, self.query)
-                    if prep.status != pq.ExecStatus.COMMAND_OK and (
-                        prep.error_field(pq.DiagnosticField.SQLSTATE) != b"42P05"  # exists
-                    ):
-                        raise _error(conn, prep)
-                    self._prepared_on = pgconn
-                # None is NULL here as in exec_params (psycopg's stub omits it).
-                res = pgconn.exec_prepared(self.name, values)  # type: ignore[arg-type]
+                res = self._exec_prepared(conn, values)
+                if _sqlstate(res) == b"26000":
+                    # Deallocated behind our back (DISCARD ALL, DEALLOCATE): nothing ran.
+                    self._prepared_on = None
+                    res = self._exec_prepared(conn, values)
         if res.status not in _OK:
             raise _error(conn, res)
         return res
+
+    def _exec_prepared(
+        self, conn: psycopg.Connection[Any], values: list[bytes | None]
+    ) -> pq.abc.PGresult:
+        pgconn = conn.pgconn
+        if self._prepared_on is not pgconn:
+            prep = pgconn.prepare(self.name, self.query)
+            if prep.status != pq.ExecStatus.COMMAND_OK and _sqlstate(prep) != b"42P05":
+                raise _error(conn, prep)  # 42P05: already prepared on this connection
+            self._prepared_on = pgconn
+        # None is NULL here as in exec_params (psycopg's stub omits it).
+        return pgconn.exec_prepared(self.name, values)  # type: ignore[arg-type]
+
+
+def _sqlstate(res: pq.abc.PGresult) -> bytes | None:
+    return res.error_field(pq.DiagnosticField.SQLSTATE)
 
 
 def _error(conn: psycopg.Connection[Any], res: pq.abc.PGresult) -> psycopg.Error:
     """The psycopg exception for a failed result (by SQLSTATE), or for a lost connection."""
     pgconn = conn.pgconn
-    if res.error_field(pq.DiagnosticField.SQLSTATE) is None:
+    if _sqlstate(res) is None:
         message = res.get_error_message() or pgconn.get_error_message()
         return connection_error(pgconn, message)
     return errors.error_from_result(res, encoding=conn.info.encoding)

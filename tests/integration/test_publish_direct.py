@@ -196,3 +196,14 @@ def test_a_publisher_role_can_run_every_insert_statement(db_url: str) -> None:
         with psycopg.connect(db_url, autocommit=True) as admin:
             admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
             admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_direct_publish_survives_a_deallocated_statement(db_url: str) -> None:
+    """DISCARD ALL (a pooler's reset query) drops prepared statements: prepared again."""
+    store = Store(db_url)
+    try:
+        store.publish(_row("q"))
+        store.conn.execute("DISCARD ALL")
+        assert store.publish(_row("q")) > 0
+    finally:
+        store.close()
