@@ -136,9 +136,7 @@ def _insert_client_libpq(
     the INSERT costs without psycopg's per-call overhead, as the transport's publish runs."""
     from psycopg import pq
 
-    from kombu_pgskip.libpq import positional
-
-    query = positional(INSERT.replace("%s", "%(payload)s", 1).replace("%s", "%(task_id)s", 1))[0]
+    query = INSERT % ("$1", "$2")
     with psycopg.connect(url, autocommit=True, options=options) as conn:
         pgconn = conn.pgconn
         res = pgconn.prepare(b"ceiling_insert", query.encode())

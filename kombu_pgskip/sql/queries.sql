@@ -3,6 +3,10 @@
 -- Every transition out of 'running' is fenced by (locked_by, attempts): a consumer whose lease
 -- was taken away changes nothing.
 
+-- wake: (fragment, included as {@wake} in the select list over a CTE i of inserted rows with queue and status) the NOTIFY of one inserted message of a single-message publish: its queue if pending, else its due time (run_at) on the scheduled channel; run_at comes from the input, as a publisher role may not read it (grants.py)
+CASE WHEN i.status = 'pending' THEN pg_notify(%(channel)s, i.queue)
+     ELSE pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text) END
+
 -- publish: insert one message, priority clamped to the queue's x-max-priority, TTL from the message or the queue; wakes the queue's consumers at commit (a scheduled message announces its due time instead); returns the id
 WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
 i AS (
@@ -15,12 +19,9 @@ i AS (
            %(task_name)s,
            %(task_id)s,
            now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0)
-    RETURNING id, status
+    RETURNING id, queue, status
 )
-SELECT i.id,
-       CASE WHEN i.status = 'pending' THEN pg_notify(%(channel)s, %(queue)s)
-            ELSE pg_notify(%(scheduled_channel)s,
-                           extract(epoch FROM %(run_at)s::timestamptz)::text) END
+SELECT i.id, {@wake}
   FROM i;
 
 -- publish_many: insert many messages in one statement, given as one JSON array of rows (queue, priority, status, run_at, payload, task_name, task_id, ttl_ms); priority clamped, TTL applied and consumers woken as publish does; returns the ids in order
@@ -312,10 +313,7 @@ WITH targets AS (
       FROM live
     RETURNING queue, status
 )
-SELECT i.queue,
-       CASE WHEN i.status = 'pending' THEN pg_notify(%(channel)s, i.queue)
-            ELSE pg_notify(%(scheduled_channel)s,
-                           extract(epoch FROM %(run_at)s::timestamptz)::text) END
+SELECT i.queue, {@wake}
   FROM i;
 
 -- route: the live queues the exchange routes routing_key to, from the bindings of all processes
