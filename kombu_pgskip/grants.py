@@ -41,6 +41,8 @@ WORKER_PRIVILEGES: tuple[Privilege, ...] = (
     ("bindings", ALL_ROWS, ()),
     ("consumers", ALL_ROWS, ()),
     ("migrations", "SELECT", ()),
+    # The guard of a remembered route (migration 0005); triggers bump it as its owner.
+    ("routing_epoch", "SELECT", ()),
 )
 PUBLISHER_PRIVILEGES: tuple[Privilege, ...] = (
     ("jobs", "INSERT", ()),
@@ -51,6 +53,7 @@ PUBLISHER_PRIVILEGES: tuple[Privilege, ...] = (
     ("bindings", "SELECT, INSERT, UPDATE", ()),
     ("consumers", "SELECT", ()),
     ("migrations", "SELECT", ()),
+    ("routing_epoch", "SELECT", ()),
 )
 WORKER_FUNCTIONS = ("expire_queues()",)
 

@@ -127,6 +127,9 @@ class Store:
         # prepare either (PgBouncer in transaction pooling mode).
         self._direct: dict[str, Statement] = {}
         self._prepared = connect_kwargs.get("prepare_threshold", 5) is not None
+        # (exchange, routing key, queues bound in this process) -> (queue, routing epoch): where
+        # publish_routed last sent a message that had one target (see publish_routed).
+        self._routes: dict[tuple[str, str, tuple[str, ...]], tuple[str, int]] = {}
 
     def __repr__(self) -> str:
         return f"<Store {self._masked_url} schema={self.schema}>"
@@ -234,7 +237,7 @@ class Store:
 
     def publish(self, message: NewMessage) -> int:
         params = message.params()
-        params.update(self._channels)
+        params.update(self._channels, epoch=None)
         return int(self.execute_direct("publish", params)[0][0] or 0)
 
     def publish_many(self, messages: Sequence[NewMessage]) -> list[int]:
@@ -262,11 +265,30 @@ class Store:
         ones whose pattern matches; direct: equal routing key) plus ``queues`` (the ones this
         process bound in memory), minus queues whose ``x-expires`` ran out. One statement, so
         one round trip whatever the number of targets. Returns the queues written to.
+
+        A route to a single queue without ``x-expires`` is remembered with the routing epoch
+        (migration 0005) read in the same snapshot; the next message to the same exchange and
+        routing key is inserted into that queue directly, by ``publish`` guarded by that epoch,
+        which skips the routing joins. When anything changed routing since (the epoch moved),
+        the guarded insert writes nothing and the message is routed afresh, in the same call.
         """
+        key = (exchange, routing_key, tuple(queues))
         params = message.params()
-        params.update(exchange=exchange, routing_key=routing_key, queues=list(queues))
         params.update(self._channels)
-        return [str(r[0]) for r in self.execute_direct("publish_routed", params)]
+        remembered = self._routes.get(key)
+        if remembered is not None:
+            queue, epoch = remembered
+            params.update(queue=queue, epoch=epoch)
+            if self.execute_direct("publish", params):
+                return [queue]
+            del self._routes[key]
+        params.update(exchange=exchange, routing_key=routing_key, queues=list(queues))
+        rows = self.execute_direct("publish_routed", params)
+        if len(rows) == 1 and rows[0][2] is not None:
+            if len(self._routes) >= ROUTE_CACHE_SIZE:
+                self._routes.clear()
+            self._routes[key] = (str(rows[0][0]), int(rows[0][2]))
+        return [str(r[0]) for r in rows]
 
     def route(self, exchange: str, routing_key: str) -> list[str]:
         """The live queues bound in the database that ``exchange`` routes ``routing_key`` to."""
@@ -524,6 +546,9 @@ def fetched_rows(rows: list[tuple[Any, ...]]) -> list[FetchedRow]:
 
 
 #: Most messages (and payload bytes) ``publish_many`` writes with one statement.
+#: Routes remembered per Store (publish_routed); past this many (a topic exchange published to
+#: with ever new routing keys), they are forgotten and learnt again.
+ROUTE_CACHE_SIZE = 1024
 PUBLISH_MANY_CHUNK = 5_000
 PUBLISH_MANY_BYTES = 16 * 1024 * 1024
 

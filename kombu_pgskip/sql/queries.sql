@@ -7,7 +7,7 @@
 CASE WHEN i.status = 'pending' THEN pg_notify(%(channel)s, i.queue)
      ELSE pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text) END
 
--- publish: insert one message, priority clamped to the queue's x-max-priority, TTL from the message or the queue; wakes the queue's consumers at commit (a scheduled message announces its due time instead); returns the id
+-- publish: insert one message, priority clamped to the queue's x-max-priority, TTL from the message or the queue; wakes the queue's consumers at commit (a scheduled message announces its due time instead); returns the id. With an epoch (a route remembered from publish_routed) it inserts only while routing_epoch still holds that value, and returns no row otherwise
 WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
 i AS (
     INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
@@ -19,6 +19,8 @@ i AS (
            %(task_name)s,
            %(task_id)s,
            now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0)
+     WHERE %(epoch)s::bigint IS NULL
+        OR %(epoch)s::bigint = (SELECT n FROM {schema}.routing_epoch)
     RETURNING id, queue, status
 )
 SELECT i.id, {@wake}
@@ -279,7 +281,7 @@ SELECT queue,
  GROUP BY queue
  ORDER BY queue;
 
--- publish_routed: insert one message into every live queue the exchange routes routing_key to (bindings of all processes, plus the queues this process bound), waking their consumers as publish does; returns the queues
+-- publish_routed: insert one message into every live queue the exchange routes routing_key to (bindings of all processes, plus the queues this process bound), waking their consumers as publish does; returns the queues, each with the routing epoch of this snapshot when no target has x-expires (the route may then be remembered and published to with publish's epoch guard), else NULL
 WITH targets AS (
     SELECT t.queue FROM unnest(%(queues)s::text[]) AS t(queue)
     UNION
@@ -291,15 +293,19 @@ WITH targets AS (
                        WHEN 'topic' THEN %(routing_key)s ~ b.pattern
                        WHEN 'direct' THEN b.routing_key = %(routing_key)s
                        ELSE false END
-), live AS (
-    SELECT t.queue, q.max_priority, q.message_ttl
+), known AS (
+    SELECT t.queue, q.name IS NOT NULL AS declared, q.max_priority, q.message_ttl, q.expires,
+           q.last_used_at
       FROM targets AS t
       LEFT JOIN {schema}.queues AS q ON q.name = t.queue
-     WHERE q.name IS NULL
-        OR q.expires IS NULL
-        OR q.last_used_at + q.expires * interval '1 millisecond' > now()
+), live AS (
+    SELECT known.queue, known.max_priority, known.message_ttl
+      FROM known
+     WHERE NOT known.declared
+        OR known.expires IS NULL
+        OR known.last_used_at + known.expires * interval '1 millisecond' > now()
         OR EXISTS (SELECT 1 FROM {schema}.consumers AS c
-                    WHERE q.name = ANY (c.queues) AND c.lease_until > now())
+                    WHERE known.queue = ANY (c.queues) AND c.lease_until > now())
 ), i AS (
     INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
     SELECT live.queue,
@@ -313,7 +319,9 @@ WITH targets AS (
       FROM live
     RETURNING queue, status
 )
-SELECT i.queue, {@wake}
+SELECT i.queue, {@wake},
+       (SELECT n FROM {schema}.routing_epoch
+         WHERE NOT EXISTS (SELECT 1 FROM known WHERE known.expires IS NOT NULL))
   FROM i;
 
 -- route: the live queues the exchange routes routing_key to, from the bindings of all processes
