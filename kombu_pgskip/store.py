@@ -237,7 +237,7 @@ class Store:
 
     def publish(self, message: NewMessage) -> int:
         params = message.params()
-        params.update(self._channels, epoch=None)
+        params.update(self._channels)
         return int(self.execute_direct("publish", params)[0][0] or 0)
 
     def publish_many(self, messages: Sequence[NewMessage]) -> list[int]:
@@ -268,9 +268,10 @@ class Store:
 
         A route to a single queue without ``x-expires`` is remembered with the routing epoch
         (migration 0005) read in the same snapshot; the next message to the same exchange and
-        routing key is inserted into that queue directly, by ``publish`` guarded by that epoch,
-        which skips the routing joins. When anything changed routing since (the epoch moved),
-        the guarded insert writes nothing and the message is routed afresh, in the same call.
+        routing key is inserted into that queue directly (``publish_remembered``: ``publish``
+        guarded by that epoch), which skips the routing joins. When anything changed routing
+        since (the epoch moved), the guarded insert writes nothing and the message is routed
+        afresh, in the same call.
         """
         key = (exchange, routing_key, tuple(queues))
         params = message.params()
@@ -279,7 +280,7 @@ class Store:
         if remembered is not None:
             queue, epoch = remembered
             params.update(queue=queue, epoch=epoch)
-            if self.execute_direct("publish", params):
+            if self.execute_direct("publish_remembered", params):
                 return [queue]
             del self._routes[key]
         params.update(exchange=exchange, routing_key=routing_key, queues=list(queues))

@@ -7,24 +7,31 @@
 CASE WHEN i.status = 'pending' THEN pg_notify(%(channel)s, i.queue)
      ELSE pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text) END
 
--- publish: insert one message, priority clamped to the queue's x-max-priority, TTL from the message or the queue; wakes the queue's consumers at commit (a scheduled message announces its due time instead); returns the id. With an epoch (a route remembered from publish_routed) it inserts only while routing_epoch still holds that value, and returns no row otherwise
+-- publish: insert one message, priority clamped to the queue's x-max-priority, TTL from the message or the queue; wakes the queue's consumers at commit (a scheduled message announces its due time instead); returns the id
 WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
-i AS (
-    INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
-    SELECT %(queue)s,
-           LEAST(%(priority)s, COALESCE((SELECT max_priority FROM q), 255)),
-           %(status)s::{schema}.job_status,
-           COALESCE(%(run_at)s::timestamptz, now()),
-           %(payload)s::json,
-           %(task_name)s,
-           %(task_id)s,
-           now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0)
-     WHERE %(epoch)s::bigint IS NULL
-        OR %(epoch)s::bigint = (SELECT n FROM {schema}.routing_epoch)
-    RETURNING id, queue, status
-)
+i AS ({@insert_one}
+    RETURNING id, queue, status)
 SELECT i.id, {@wake}
   FROM i;
+
+-- publish_remembered: as publish, into the queue a route remembered from publish_routed led to, only while routing_epoch still holds the epoch read with it; no row when routing changed since. (Not a parameter of publish: a NULL-able guard there makes PostgreSQL plan every execution afresh.)
+WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
+i AS ({@insert_one}
+     WHERE %(epoch)s::bigint = (SELECT n FROM {schema}.routing_epoch)
+    RETURNING id, queue, status)
+SELECT i.id, {@wake}
+  FROM i;
+
+-- insert_one: (fragment, included as {@insert_one} after a CTE q of the queue's max_priority and message_ttl) the insert of publish, to be followed by RETURNING id, queue, status (what {@wake} needs; only columns a publisher role may read)
+INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
+SELECT %(queue)s,
+       LEAST(%(priority)s, COALESCE((SELECT max_priority FROM q), 255)),
+       %(status)s::{schema}.job_status,
+       COALESCE(%(run_at)s::timestamptz, now()),
+       %(payload)s::json,
+       %(task_name)s,
+       %(task_id)s,
+       now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0)
 
 -- publish_many: insert many messages in one statement, given as one JSON array of rows (queue, priority, status, run_at, payload, task_name, task_id, ttl_ms); priority clamped, TTL applied and consumers woken as publish does; returns the ids in order
 WITH m AS MATERIALIZED (
