@@ -84,11 +84,12 @@ SELECT x.id, x.priority,
  ORDER BY x.priority DESC, rn
  LIMIT %(limit)s
 
--- take: (fragment, included as {@take} after a CTE named picked) mark the picked rows running under the consumer; returns what a consumer needs
+-- take: (fragment, included as {@take} after a CTE named picked) mark the picked rows running under the consumer; returns what a consumer needs; the rows are looked up by id (= ANY), which a generic plan, estimating a tenth of the table for an unknown LIMIT, would otherwise hash-join by scanning the whole table
 UPDATE {schema}.jobs AS jobs
    SET status = 'running', locked_by = %(consumer)s, locked_at = now(), attempts = jobs.attempts + 1
   FROM picked
  WHERE jobs.id = picked.id
+   AND jobs.id = ANY (ARRAY(SELECT id FROM picked))
 RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts, jobs.expires_at,
           picked.priority, picked.rn
 
@@ -110,11 +111,11 @@ DELETE FROM {schema}.jobs AS jobs
 RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts + 1, jobs.expires_at,
           picked.priority, picked.rn;
 
--- ack: mark delivered messages completed (fenced)
+-- ack: mark delivered messages completed (fenced); ids[k] was delivered as attempts[k]. Rows are found by id and their attempts looked up in the array, not joined to unnest(): a prepared statement's generic plan, which cannot know the arrays' sizes, then still reads each row once
 UPDATE {schema}.jobs AS jobs
    SET status = 'completed', finished_at = now(), locked_by = NULL
-  FROM unnest(%(ids)s::bigint[], %(attempts)s::integer[]) AS a(id, attempts)
- WHERE jobs.id = a.id AND jobs.attempts = a.attempts
+ WHERE jobs.id = ANY (%(ids)s::bigint[])
+   AND jobs.attempts = (%(attempts)s::integer[])[array_position(%(ids)s::bigint[], jobs.id)]
    AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
 RETURNING jobs.id;
 
