@@ -10,7 +10,15 @@
    server CPU (the backend's utime + stime from ``/proc``) and wall time per durable publish,
    for a kombu ``Producer`` to a named direct exchange and to the default exchange and for
    Celery's ``apply_async``; medians of 5 rounds of 2,000. CPU time is far less disturbed by
-   other load than wall time, so it shows what a change to the publish path saves.
+   other load than wall time, so it shows what a change to the publish path saves. The named
+   exchange is measured twice: as it runs (the route remembered after the first publish,
+   migration 0005) and with the remembered route forgotten before every publish (routed by
+   ``publish_routed`` each time, as before 0005), alternately in the same rounds.
+4. Plans of the worker's fetch (``--fetch-plans`` runs only this): server CPU and wall time per
+   ``ack_fetch`` on the event-loop fetcher's connection (``AsyncFetcher``) with PostgreSQL's
+   default ``plan_cache_mode`` (a custom plan, planned for every fetch) and with the forced
+   generic plan the fetcher uses, for fetches of 4 and of 100 rows (each acking the previous
+   batch) from a table of 60,000 pending rows; medians of 5 alternating rounds.
 
 It runs its own EmbeddedPostgres (fsync on) with ``pg_stat_statements`` preloaded.
 """
@@ -117,10 +125,17 @@ def publish_cpu(broker: Broker, *, rounds: int = 5, n: int = 2000) -> dict[str, 
         chan = conn.channel()
         named = Exchange("bench.cpu", "direct", durable=True)
         Queue("bench.cpu", named, routing_key="bench.cpu", durable=True)(chan).declare()
+        named_publish = Producer(
+            chan, exchange=named, routing_key="bench.cpu", serializer="json"
+        ).publish
+
+        def routed_every_time(*args: Any, **kwargs: Any) -> None:
+            chan.store._routes.clear()
+            named_publish(*args, **kwargs)
+
         calls: dict[str, Callable[..., Any]] = {
-            "kombu_named_exchange": Producer(
-                chan, exchange=named, routing_key="bench.cpu", serializer="json"
-            ).publish,
+            "kombu_named_exchange": named_publish,
+            "kombu_named_exchange_routed_every_time": routed_every_time,
             "kombu_default_exchange": Producer(
                 chan, exchange=Exchange(""), routing_key="bench.cpu", serializer="json"
             ).publish,
@@ -159,6 +174,76 @@ def publish_cpu(broker: Broker, *, rounds: int = 5, n: int = 2000) -> dict[str, 
     return out
 
 
+def fetch_plans(url: str, *, rounds: int = 5) -> dict[str, Any]:
+    """Server CPU and wall time per ``ack_fetch`` with a custom plan per fetch (PostgreSQL's
+    default choice) and with the generic plan the event-loop fetcher forces, in microseconds."""
+    import uuid
+
+    from kombu_pgskip.fetcher import AsyncFetcher
+
+    payload = sample_message_json()
+    consumer = uuid.uuid4()
+    out: dict[str, Any] = {"rounds": rounds, "pending_rows": 60_000}
+    samples: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    with psycopg.connect(url, autocommit=True) as admin:
+        fetchers = {}
+        for mode in ("auto", "force_generic_plan"):
+            fetcher = AsyncFetcher(url, schema="pgskip", asynchronous_commit=False,
+                                   connect_timeout=10)  # fmt: skip
+            fetcher.fileno()  # connects and prepares
+            assert fetcher._conn is not None
+            fetcher._conn.execute(f"SET plan_cache_mode TO {mode}")
+            fetchers[mode] = fetcher
+        try:
+            for _ in range(rounds):
+                for limit, calls in ((4, 1000), (100, 200)):
+                    for mode, fetcher in fetchers.items():
+                        admin.execute("TRUNCATE pgskip.jobs")
+                        admin.execute(
+                            "INSERT INTO pgskip.jobs (queue, payload) "
+                            "SELECT 'plans', %s::json FROM generate_series(1, 60000)",
+                            (payload,),
+                        )
+                        admin.execute("VACUUM ANALYZE pgskip.jobs")
+                        assert fetcher._conn is not None
+                        pid = fetcher._conn.info.backend_pid
+                        tags: list[tuple[int, int]] = []
+                        for i in range(calls + 10):
+                            if i == 10:
+                                b0, w0 = _backend_cpu_s(pid), time.perf_counter()
+                            fetcher.send(tags, ["plans"], limit, consumer)
+                            result = fetcher.wait()
+                            assert result is not None
+                            tags = [(r.id, r.attempts) for r in result[1]]
+                        w1, b1 = time.perf_counter(), _backend_cpu_s(pid)
+                        samples[f"{mode}_limit_{limit}"].append(
+                            (1e6 * (b1 - b0) / calls, 1e6 * (w1 - w0) / calls)
+                        )
+        finally:
+            for fetcher in fetchers.values():
+                fetcher.close()
+    for name, rows in samples.items():
+        out[name] = {
+            key: round(float(median(r[i] for r in rows) or 0.0), 1)
+            for i, key in enumerate(("server_cpu_us", "wall_us"))
+        }
+    return out
+
+
+def sample_message_json() -> str:
+    """A kombu message as the transport stores it (about 600 bytes)."""
+    body = "eyJpIjogMCwgInBhZCI6ICJ4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4In0="
+    return json.dumps(
+        {
+            "body": body * 6,
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": {},
+            "properties": {"delivery_mode": 2, "priority": 0, "body_encoding": "base64"},
+        }
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     from kombu_pgskip import migrate
     from kombu_pgskip.embedded import EmbeddedPostgres
@@ -170,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument(
         "--publish-cpu", action="store_true", help="only the CPU per publish (part 3)"
+    )
+    parser.add_argument(
+        "--fetch-plans", action="store_true", help="only the fetch's plan choice (part 4)"
     )
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -199,8 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         conn = psycopg.connect(url, autocommit=True)
         conn.execute("CREATE EXTENSION pg_stat_statements")
-        if args.publish_cpu:
-            report = {"publish_cpu": publish_cpu(broker)}
+        if args.publish_cpu or args.fetch_plans:
+            report = {}
+            if args.publish_cpu:
+                report["publish_cpu"] = publish_cpu(broker)
+            if args.fetch_plans:
+                report["fetch_plans"] = fetch_plans(url)
             conn.close()
             return _write(out, report)
 
@@ -285,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         app.close()
         app2.close()
         report["publish_cpu"] = publish_cpu(broker)
+        report["fetch_plans"] = fetch_plans(url)
         conn.close()
     finally:
         pg.cleanup()
