@@ -9,11 +9,9 @@ would, so what one connection binds the other knows only through the database.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
-import pytest
 from kombu import Connection, Exchange, Producer, Queue
 from psycopg import sql
 
@@ -21,21 +19,6 @@ import kombu_pgskip  # noqa: F401  (registers pgskip://)
 from kombu_pgskip.grants import PUBLISHER_PRIVILEGES
 from kombu_pgskip.migrate import load_migrations, migrate
 from kombu_pgskip.store import Store
-
-
-@pytest.fixture
-def connections(db_url: str) -> Iterator[Any]:
-    opened: list[Connection] = []
-
-    def connect() -> Connection:
-        conn = Connection(db_url.replace("postgresql://", "pgskip://", 1))
-        conn.connect()
-        opened.append(conn)
-        return conn
-
-    yield connect
-    for conn in opened:
-        conn.release()
 
 
 def _counts(db_url: str) -> dict[str, int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -18,26 +17,6 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 import kombu_pgskip  # noqa: F401  (registers pgskip://)
 from kombu_pgskip.transport import Transport
-
-
-@pytest.fixture
-def broker(db_url: str) -> str:
-    return db_url.replace("postgresql://", "pgskip://", 1)
-
-
-@pytest.fixture
-def connections(broker: str) -> Iterator[Any]:
-    opened: list[Connection] = []
-
-    def connect(**options: Any) -> Connection:
-        conn = Connection(broker, transport_options=options)
-        conn.connect()
-        opened.append(conn)
-        return conn
-
-    yield connect
-    for conn in opened:
-        conn.release()
 
 
 def _jobs(db_url: str) -> list[tuple[str, str]]:
