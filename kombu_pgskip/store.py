@@ -282,7 +282,7 @@ class Store:
             params.update(queue=queue, epoch=epoch)
             if self.execute_direct("publish_remembered", params):
                 return [queue]
-            del self._routes[key]
+            self._routes.pop(key, None)  # routing changed since: route afresh below
         params.update(exchange=exchange, routing_key=routing_key, queues=list(queues))
         rows = self.execute_direct("publish_routed", params)
         if len(rows) == 1 and rows[0][2] is not None:
@@ -546,10 +546,10 @@ def fetched_rows(rows: list[tuple[Any, ...]]) -> list[FetchedRow]:
     ]
 
 
-#: Most messages (and payload bytes) ``publish_many`` writes with one statement.
 #: Routes remembered per Store (publish_routed); past this many (a topic exchange published to
 #: with ever new routing keys), they are forgotten and learnt again.
 ROUTE_CACHE_SIZE = 1024
+#: Most messages (and payload bytes) ``publish_many`` writes with one statement.
 PUBLISH_MANY_CHUNK = 5_000
 PUBLISH_MANY_BYTES = 16 * 1024 * 1024
 

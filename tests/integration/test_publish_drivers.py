@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -122,3 +123,36 @@ def test_store_statements_with_uuid_and_array_parameters_run_on_the_connection(
         assert store.ack([(fetched[0].id, fetched[0].attempts)], consumer) == 1
         raise Rollback
     assert count_jobs(shared_db, tid) == 0
+
+
+def test_a_remembered_route_publishes_through_the_connection(
+    driver: Driver, app: Celery, shared_db: str
+) -> None:
+    """publish_routed and then publish_remembered (the route remembered with its epoch) both
+    run through the adapter, inside the caller's transaction."""
+    from kombu_pgskip.envelope import to_routed_row
+    from kombu_pgskip.store import Store
+
+    name = f"ex-{uuid.uuid4().hex[:8]}"
+    owner = Store(shared_db)
+    try:
+        owner.bind(name, name, "k", type="direct")
+    finally:
+        owner.close()
+    message = {"body": "{}", "headers": {}, "properties": {"delivery_info": {}}}
+    row = to_routed_row(name, message, eta_threshold=60, max_message_size=10**6)
+    with driver.transaction() as conn:
+        store = _CallerStore(adapt(conn), schema="pgskip")
+        ran: list[str] = []
+        execute = store.execute_direct
+
+        def recording(statement: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+            ran.append(statement)
+            return execute(statement, params)
+
+        store.execute_direct = recording  # type: ignore[method-assign]
+        for _ in range(3):
+            assert store.publish_routed(row, exchange=name, routing_key="k", queues=[]) == [name]
+        assert ran == ["publish_routed", "publish_remembered", "publish_remembered"]
+        assert store.size(name) == 3
+        raise Rollback
