@@ -289,7 +289,7 @@ SELECT queue,
  GROUP BY queue
  ORDER BY queue;
 
--- publish_routed: insert one message into every live queue the exchange routes routing_key to (bindings of all processes, plus the queues this process bound), waking their consumers as publish does; returns the queues, each with the routing epoch of this snapshot when no target has x-expires (the route may then be remembered and published to with publish's epoch guard), else NULL
+-- publish_routed: insert one message into every live queue the exchange routes routing_key to (bindings of all processes, plus the queues this process bound), waking their consumers as publish does; returns the queues, each with the routing epoch of this snapshot when no target has x-expires (the route may then be remembered and published to with publish_remembered), else NULL
 WITH targets AS (
     SELECT t.queue FROM unnest(%(queues)s::text[]) AS t(queue)
     UNION

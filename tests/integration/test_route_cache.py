@@ -47,6 +47,17 @@ def _setup(conn: Connection, exchange: Exchange, queue: str, key: str) -> None:
     Queue(queue, exchange, routing_key=key).bind(conn.default_channel).declare()
 
 
+def _remembering(worker: Connection, caller: Connection) -> Producer:
+    """A producer of ``caller`` whose route ("tasks", "k") -> q1 (bound by ``worker``) is
+    remembered: two messages published, the second as remembered."""
+    ex = Exchange("tasks", "direct")
+    _setup(worker, ex, "q1", "k")
+    producer = Producer(caller.default_channel, exchange=ex, routing_key="k")
+    producer.publish({"i": 1}, declare=[ex])
+    producer.publish({"i": 2})
+    return producer
+
+
 def test_a_second_publish_to_the_same_route_skips_routing(connections: Any, db_url: str) -> None:
     worker, caller = connections(), connections()
     ex = Exchange("tasks", "direct")
@@ -63,11 +74,8 @@ def test_a_binding_made_by_another_process_is_seen_by_the_next_publish(
     connections: Any, db_url: str
 ) -> None:
     worker, other, caller = connections(), connections(), connections()
+    producer = _remembering(worker, caller)
     ex = Exchange("tasks", "direct")
-    _setup(worker, ex, "q1", "k")
-    producer = Producer(caller.default_channel, exchange=ex, routing_key="k")
-    producer.publish({"i": 1}, declare=[ex])
-    producer.publish({"i": 2})
     _setup(other, ex, "q2", "k")
     producer.publish({"i": 3})
     assert _counts(db_url) == {"q1": 3, "q2": 1}
@@ -83,11 +91,7 @@ def test_a_queue_deleted_by_another_process_gets_nothing_more(
     connections: Any, db_url: str
 ) -> None:
     worker, caller = connections(), connections()
-    ex = Exchange("tasks", "direct")
-    _setup(worker, ex, "q1", "k")
-    producer = Producer(caller.default_channel, exchange=ex, routing_key="k")
-    producer.publish({"i": 1}, declare=[ex])
-    producer.publish({"i": 2})
+    producer = _remembering(worker, caller)
     worker.default_channel.queue_delete("q1")
     producer.publish({"i": 3})  # unroutable now: dropped, as AMQP drops it
     assert _counts(db_url) == {}
@@ -99,11 +103,7 @@ def test_an_exchange_retyped_elsewhere_routes_by_its_new_type(
     """A direct binding has no topic pattern: once the exchange is a topic exchange, the key
     that matched the direct binding matches nothing."""
     worker, caller = connections(), connections()
-    ex = Exchange("tasks", "direct")
-    _setup(worker, ex, "q1", "k")
-    producer = Producer(caller.default_channel, exchange=ex, routing_key="k")
-    producer.publish({"i": 1}, declare=[ex])
-    producer.publish({"i": 2})
+    producer = _remembering(worker, caller)
     worker.default_channel.store.declare_exchange("tasks", "topic")
     producer.publish({"i": 3})
     assert _counts(db_url) == {"q1": 2}
