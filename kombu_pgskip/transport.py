@@ -135,6 +135,13 @@ logger = logging.getLogger(__name__)
 #: while the rest is still held): acks freeing more credit meanwhile make one larger fetch.
 REFILL_DELAY = 0.001
 
+#: Seconds an ack may wait in the event loop for a fetch to carry it when nothing asks for a
+#: fetch sooner (a notification, or credit freed while messages were left behind for lack of
+#: it). While tasks stream in, the next notification's fetch writes it; on an idle worker one
+#: fetch this much later does. Unwritten acks only delay a row's ``completed``: a crash
+#: meanwhile redelivers, never loses.
+ACK_FLUSH_DELAY = 0.005
+
 
 @dataclass
 class Options:
@@ -233,12 +240,14 @@ class QoS(virtual.QoS):
             self._settle_after_close("ack", delivery_tag)
             return
         if self.channel._batching_acks():
-            # Written by the event loop's next turn, together with every other ack that
-            # arrived meanwhile: one statement instead of one per message. An ack lost in a
-            # crash before it is written can only cause a redelivery, never a loss.
-            self.channel._queue_ack(delivery_tag)
-        else:
-            self.channel._settle("ack", [delivery_tag])
+            # Written with the next fetch, together with every other ack that arrived
+            # meanwhile: one statement instead of one per message. An ack lost in a crash
+            # before it is written can only cause a redelivery, never a loss.
+            first = self.channel._queue_ack(delivery_tag)
+            self._quick_ack(delivery_tag)
+            self.channel._ack_queued(first)
+            return
+        self.channel._settle("ack", [delivery_tag])
         self._quick_ack(delivery_tag)
         self.channel._credit_freed()
 
@@ -317,8 +326,12 @@ class Channel(virtual.Channel):
         self._pending_acks: list[tuple[int, int]] = []
         self._refill_deferred = False
         self._more_due = False
+        # Messages may be waiting that the last fetch left for lack of prefetch credit: an
+        # ack (freeing credit) then asks for a fetch at once instead of waiting to be carried.
+        self._starved = False
         self._fetcher: AsyncFetcher | None = None
         self._fetch_acks = 0  # acks sent with the fetch in flight
+        self._sent_wake_seq = 0  # Transport._wake_seq when the fetch in flight was sent
         self._collected: list[_Collected] | None = None
         self._registered = False
         self._no_ack_queues: set[str] = set()
@@ -767,6 +780,7 @@ class Channel(virtual.Channel):
                 self._refill_deferred = True
                 return []
         if limit <= 0:
+            self._starved = True
             self.flush_acks()
             return []
         queues = list(dict.fromkeys(self._active_queues))
@@ -781,6 +795,7 @@ class Channel(virtual.Channel):
             if fetcher is not None:
                 fetcher.send(pairs, ack_queues, limit, self.consumer_id)
                 self._fetch_acks = len(pairs)
+                self._sent_wake_seq = self.connection._wake_seq
                 self.connection._watch_fetch(self, fetcher)
                 return []  # the rows arrive with the reply (Transport._on_fetch_readable)
             done, rows = self.consumer_store.ack_fetch(
@@ -790,7 +805,7 @@ class Channel(virtual.Channel):
             out += rows
         else:
             self.flush_acks()
-        self._more_due = len(out) >= limit
+        self._more_due = self._starved = len(out) >= limit
         return out
 
     def _async_fetcher(self) -> AsyncFetcher | None:
@@ -820,7 +835,7 @@ class Channel(virtual.Channel):
         acked, rows, limit = result
         sent, self._fetch_acks = self._fetch_acks, 0
         self._acks_written(sent, acked)
-        self._more_due = len(rows) >= limit
+        self._more_due = self._starved = len(rows) >= limit
         return rows
 
     def _release_fetch(self) -> None:
@@ -857,10 +872,12 @@ class Channel(virtual.Channel):
         """
         return self.owned_by_this_process and not self.closed and bool(self._consumers)
 
-    def _queue_ack(self, delivery_tag: Any) -> None:
+    def _queue_ack(self, delivery_tag: Any) -> bool:
+        """Queue an ack for the next statement; True if it is the first one waiting."""
         pair = parse_tag(delivery_tag)
         with self._ack_lock:
             self._pending_acks.append(pair)
+            return len(self._pending_acks) == 1
 
     def _take_acks(self) -> list[tuple[int, int]]:
         with self._ack_lock:
@@ -904,6 +921,23 @@ class Channel(virtual.Channel):
         transport = self.connection
         if transport is not None:
             transport._wakeup_consumers()
+
+    def _ack_queued(self, first: bool) -> None:
+        """An ack waits to be written (it freed prefetch credit; on any thread).
+
+        Outside an event loop, or when the last fetch left messages behind for lack of
+        credit, the consumer fetches at once (with the ack). Otherwise nothing is known to be
+        waiting: the first queued ack only asks the loop to write it within
+        ``ACK_FLUSH_DELAY``, and a notification's fetch usually carries it before that, so
+        a stream of short tasks costs one statement per notification, not two.
+        """
+        transport = self.connection
+        if transport is None:
+            return
+        if transport._loop is None or self._starved:
+            transport._wakeup_consumers()
+        elif first:
+            transport._wakeup_consumers(fetch=False)
 
     def _settle(self, how: str, tags: list[Any]) -> None:
         pairs = [parse_tag(t) for t in tags]
@@ -1124,6 +1158,13 @@ class Transport(virtual.Transport):
         self._refill_deferred = False
         self._refill_queued = False
         self._more_due = False
+        # A wake-up that asks for a fetch (not only for acks to be written), and an ack
+        # flush already scheduled on the loop (see Channel._ack_queued).
+        self._fetch_wanted = False
+        self._ack_flush_queued = False
+        # Counts notifications for consumed queues: one that arrives while a fetch is in
+        # flight (its snapshot may predate the message) calls for another fetch after it.
+        self._wake_seq = 0
 
     def __repr__(self) -> str:
         return f"<pgskip Transport {mask_url(self.url)}>"
@@ -1224,8 +1265,12 @@ class Transport(virtual.Transport):
         with self._lock:
             return [c for c in self._consumers if c._registered and not c.closed]
 
-    def _wakeup_consumers(self) -> None:
+    def _wakeup_consumers(self, *, fetch: bool = True) -> None:
+        """Wake the consumer (any thread); ``fetch=False`` from the event loop's point of
+        view only asks for queued acks to be written soon."""
         if self._waiting or self._loop is not None:
+            if fetch:
+                self._fetch_wanted = True
             try:
                 if self._wake_pair is not None:
                     self._wake_pair[1].send(b"!")
@@ -1436,6 +1481,7 @@ class Transport(virtual.Transport):
             timer.cancel()  # otherwise every reconnect would leave one more poll timer behind
         self._drain_queued = False
         self._refill_queued = False
+        self._ack_flush_queued = False
         if loop is None or self._pid != os.getpid():
             return
         for fd in fds:
@@ -1453,7 +1499,23 @@ class Transport(virtual.Transport):
         pair = self._wake_pair
         if pair is not None:
             self._drain_wake_pipe(pair[0])
-        self._async_drain()
+        if self._fetch_wanted:
+            self._fetch_wanted = False
+            self._async_drain()
+        else:
+            self._queue_ack_flush()
+
+    def _queue_ack_flush(self) -> None:
+        if self._loop is not None and not self._ack_flush_queued:
+            self._ack_flush_queued = True
+            self._loop.call_later(ACK_FLUSH_DELAY, self._flush_tick)
+
+    def _flush_tick(self) -> None:
+        """Write acks still waiting ``ACK_FLUSH_DELAY`` after the first was queued (with a
+        fetch, which also takes whatever arrived)."""
+        self._ack_flush_queued = False
+        if any(c._pending_acks for c in self.channels if not c.closed):
+            self._async_drain()
 
     def _on_listener_readable(self) -> None:
         listener = self._listener
@@ -1474,6 +1536,7 @@ class Transport(virtual.Transport):
             delay = max(0.0, self._next_promote - time.monotonic())
             self._loop.call_later(delay, self._async_drain)
         if queues:
+            self._wake_seq += 1
             self._async_drain(queues)
 
     def _watch_fetch(self, channel: PgChannel, fetcher: AsyncFetcher) -> None:
@@ -1519,8 +1582,12 @@ class Transport(virtual.Transport):
             return
         for row in rows:
             self._deliver_row(channel, row)
-        if channel._more_due or channel._pending_acks:
+        if channel._more_due or channel._sent_wake_seq != self._wake_seq:
+            # More may be due, or a notification arrived after the statement was sent (its
+            # message may have committed after the fetch's snapshot): fetch again.
             self._queue_drain()
+        elif channel._pending_acks:
+            self._queue_ack_flush()
 
     def _on_poll_tick(self) -> None:
         if self._loop is not None:

@@ -4,9 +4,11 @@ connection, publishes stay durable."""
 from __future__ import annotations
 
 import contextlib
+import select
 import time
 
 import psycopg
+import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.asynchronous import Hub
 
@@ -285,3 +287,120 @@ def test_the_event_loop_fetch_is_planned_once_and_still_fences_acks(db_url: str)
     finally:
         fetcher.close()
         store.close()
+
+
+def _run_until(hub: Hub, done: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:  # type: ignore[operator]
+        hub.run_once()
+
+
+def test_on_an_event_loop_an_ack_rides_with_the_next_notifications_fetch(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ack on an idle consumer (nothing left behind for lack of credit) does not cost a
+    fetch of its own: the fetch a notification triggers writes it, or one fetch
+    ``ACK_FLUSH_DELAY`` later if nothing arrives."""
+    from kombu_pgskip import transport as transport_module
+    from kombu_pgskip.fetcher import AsyncFetcher
+
+    monkeypatch.setattr(transport_module, "ACK_FLUSH_DELAY", 0.5)  # an order the test can see
+    sends: list[int] = []
+    real_send = AsyncFetcher.send
+
+    def counted(self: AsyncFetcher, tags: object, *args: object, **kwargs: object) -> None:
+        sends.append(len(tags))  # type: ignore[arg-type]
+        real_send(self, tags, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(AsyncFetcher, "send", counted)
+    queue = Queue("carried", Exchange("carried"), "carried")
+    with Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn:
+        received: list[object] = []
+        hub = Hub()
+        try:
+            channel = conn.channel()
+            Consumer(
+                channel, [queue], callbacks=[lambda body, m: received.append(m)], prefetch_count=4
+            ).consume()
+            conn.transport.register_with_event_loop(conn.connection, hub)
+            _publish(conn, queue, 1)
+            _run_until(hub, lambda: len(received) == 1)
+            assert len(received) == 1
+            _run_until(hub, lambda: False, timeout=0.2)  # settled: no fetch in flight or queued
+            assert not channel._fetcher.in_flight
+            sends.clear()
+            received[0].ack()  # type: ignore[attr-defined]
+            hub.run_once()
+            assert sends == [], "no fetch of its own for an ack while nothing waits"
+            assert _statuses(db_url) == ["running"]
+            _publish(conn, queue, 1)
+            _run_until(hub, lambda: len(received) == 2)
+            assert len(received) == 2
+            assert sends == [1], "the notification's fetch carried the ack"
+            assert _statuses(db_url) == ["completed", "running"]
+            received[1].ack()  # type: ignore[attr-defined]
+            started = time.monotonic()
+            _run_until(hub, lambda: _statuses(db_url) == ["completed"] * 2)
+            assert _statuses(db_url) == ["completed"] * 2, "a lone ack is written by a timer"
+            assert time.monotonic() - started < 10
+            assert sends == [1, 1]
+        finally:
+            conn.transport.unregister_from_event_loop(conn.connection, hub)
+            hub.close()
+
+
+def test_an_ack_frees_credit_for_messages_left_behind_at_once(db_url: str) -> None:
+    """When the last fetch filled the prefetch window, more may be waiting: an ack asks for a
+    fetch at once (no ``ACK_FLUSH_DELAY``)."""
+    queue = Queue("starved", Exchange("starved"), "starved")
+    with Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn:
+        _publish(conn, queue, 6)
+        received: list[object] = []
+        hub = Hub()
+        try:
+            channel = conn.channel()
+            Consumer(
+                channel, [queue], callbacks=[lambda body, m: received.append(m)], prefetch_count=2
+            ).consume()
+            conn.transport.register_with_event_loop(conn.connection, hub)
+            _run_until(hub, lambda: len(received) == 2)
+            assert len(received) == 2 and channel._starved
+            for message in received:
+                message.ack()  # type: ignore[attr-defined]
+            assert conn.transport._fetch_wanted, "the wake-up asks for a fetch, not a flush"
+            _run_until(hub, lambda: len(received) == 4)
+            assert len(received) == 4
+        finally:
+            conn.transport.unregister_from_event_loop(conn.connection, hub)
+            hub.close()
+
+
+def test_a_notification_during_a_fetch_in_flight_is_not_lost(db_url: str) -> None:
+    """A message committed after an in-flight fetch took its snapshot is announced while that
+    fetch runs; the loop fetches again after the reply instead of waiting for the next poll."""
+    queue = Queue("overlap", Exchange("overlap"), "overlap")
+    with Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn:
+        received: list[object] = []
+        hub = Hub()
+        try:
+            channel = conn.channel()
+            Consumer(
+                channel, [queue], callbacks=[lambda body, m: received.append(m)], prefetch_count=4
+            ).consume()
+            transport = conn.transport
+            transport.register_with_event_loop(conn.connection, hub)
+            _run_until(hub, lambda: channel._fetcher is not None and not channel._fetcher.in_flight)
+            transport._async_drain()  # a fetch of the (empty) queue is in flight
+            assert channel._fetcher is not None and channel._fetcher.in_flight
+            _publish(conn, queue, 1)
+            listener = transport._listener
+            assert listener is not None
+            select.select([listener.pgconn.socket], [], [], 5)
+            transport._on_listener_readable()  # the notification, before the fetch's reply
+            started = time.monotonic()
+            _run_until(hub, lambda: len(received) == 1, timeout=5)
+            assert len(received) == 1, "delivered without waiting for the 30 s poll"
+            assert time.monotonic() - started < 5
+        finally:
+            conn.transport.unregister_from_event_loop(conn.connection, hub)
+            hub.close()
