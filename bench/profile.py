@@ -19,6 +19,12 @@
    default ``plan_cache_mode`` (a custom plan, planned for every fetch) and with the forced
    generic plan the fetcher uses, for fetches of 4 and of 100 rows (each acking the previous
    batch) from a table of 60,000 pending rows; medians of 5 alternating rounds.
+5. End to end, where the CPU goes (``--e2e-cpu`` runs only this): an idle ``-P threads -c 4``
+   worker, one publisher calling ``apply_async`` 3,000 times back to back, for each
+   ``fetch_cooldown`` in turn (0, 0.002, 0.005; rounds alternate): the rate, the worker's
+   ``ack_fetch`` statements per task (``pg_stat_statements``) and CPU per task of the publisher,
+   the worker's process tree and all the database's client backends together (the publisher's,
+   the worker's fetch, LISTEN and heartbeat connections; utime + stime from ``/proc``).
 
 It runs its own EmbeddedPostgres (fsync on) with ``pg_stat_statements`` preloaded.
 """
@@ -230,6 +236,90 @@ def fetch_plans(url: str, *, rounds: int = 5) -> dict[str, Any]:
     return out
 
 
+def e2e_cpu(
+    broker: Broker,
+    admin: psycopg.Connection[Any],
+    *,
+    cooldowns: tuple[float, ...] = (0.0, 0.002, 0.005),
+    rounds: int = 3,
+    n: int = 3000,
+) -> dict[str, Any]:
+    """Per task, end to end: fetch statements and CPU of every process, by ``fetch_cooldown``."""
+    from .common import descendants
+    from .workers import warm_up
+
+    def cpu_s(pid: int) -> float:
+        try:
+            return _backend_cpu_s(pid)
+        except OSError:
+            return 0.0
+
+    samples: dict[float, list[dict[str, float]]] = {c: [] for c in cooldowns}
+    for _ in range(rounds):
+        for cooldown in cooldowns:
+            b = Broker(
+                broker.name,
+                broker.label,
+                url=broker.url,
+                db_url=broker.db_url,
+                available=True,
+                transport_options={"fetch_cooldown": cooldown},
+            )
+            queue = new_queue("e2ecpu")
+            app = publisher_app(b, queue)
+            stamps = StampDir()
+            worker = Worker(b, queue, stamps, pool="threads", concurrency=4, name="e2ecpu")
+            try:
+                worker.start()
+                if not warm_up(app, stamps):
+                    raise RuntimeError(f"worker did not start: {worker.log_tail()}")
+                task = app.tasks["bench.noop"]
+                task.apply_async(kwargs={"i": -1})
+                time.sleep(1.0)
+                backends = [
+                    r[0]
+                    for r in admin.execute(
+                        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                        " AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
+                    )
+                ]
+                tree = [worker.pid, *descendants(worker.pid)]
+                _reset(admin)
+                c0, w0 = time.process_time(), sum(cpu_s(p) for p in tree)
+                b0 = sum(cpu_s(p) for p in backends)
+                t0 = time.time()
+                for i in range(n):
+                    task.apply_async(kwargs={"i": i})
+                stamps.wait_for(n, 180)
+                last = max(t for i, t in stamps.read() if i >= 0)
+                c1, w1 = time.process_time(), sum(cpu_s(p) for p in tree)
+                b1 = sum(cpu_s(p) for p in backends)
+                fetches = admin.execute(
+                    "SELECT coalesce(sum(calls), 0) FROM pg_stat_statements"
+                    " WHERE query LIKE 'WITH acked AS%%'"
+                ).fetchone()
+                row = {
+                    "rate": n / (last - t0),
+                    "fetches_per_task": float(fetches[0] if fetches else 0) / n,
+                    "publisher_cpu_us": 1e6 * (c1 - c0) / n,
+                    "worker_cpu_us": 1e6 * (w1 - w0) / n,
+                    "backends_cpu_us": 1e6 * (b1 - b0) / n,
+                }
+                samples[cooldown].append(row)
+                log(f"e2e cpu, fetch_cooldown={cooldown}: {row['rate']:.0f} tasks/s")
+            finally:
+                worker.stop()
+                stamps.cleanup()
+                app.close()
+                b.delete_queues([queue])
+    out: dict[str, Any] = {"rounds": rounds, "tasks": n}
+    for cooldown, rows in samples.items():
+        out[f"fetch_cooldown={cooldown}"] = {
+            key: round(float(median(r[key] for r in rows if key in r) or 0.0), 2) for key in rows[0]
+        } | {"rates": [round(r["rate"]) for r in rows]}
+    return out
+
+
 def sample_message_json() -> str:
     """A kombu message as the transport stores it (about 600 bytes)."""
     body = "eyJpIjogMCwgInBhZCI6ICJ4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4In0="
@@ -259,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fetch-plans", action="store_true", help="only the fetch's plan choice (part 4)"
     )
+    parser.add_argument(
+        "--e2e-cpu", action="store_true", help="only end-to-end CPU and fetches per task (part 5)"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -287,12 +380,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         conn = psycopg.connect(url, autocommit=True)
         conn.execute("CREATE EXTENSION pg_stat_statements")
-        if args.publish_cpu or args.fetch_plans:
+        if args.publish_cpu or args.fetch_plans or args.e2e_cpu:
             report = {}
             if args.publish_cpu:
                 report["publish_cpu"] = publish_cpu(broker)
             if args.fetch_plans:
                 report["fetch_plans"] = fetch_plans(url)
+            if args.e2e_cpu:
+                report["e2e_cpu"] = e2e_cpu(broker, conn)
             conn.close()
             return _write(out, report)
 

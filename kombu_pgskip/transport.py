@@ -89,6 +89,11 @@ option                        default    meaning
 ``prepared_statements``       True       let psycopg prepare frequent statements; False behind
                                          PgBouncer in transaction pooling (before 1.21, or
                                          without ``max_prepared_statements``)
+``fetch_cooldown``            0.002      in Celery's event loop, a notification's fetch waits
+                                         until this many seconds after the previous fetch was
+                                         sent, so while tasks stream in one fetch takes the
+                                         messages of that moment together; an idle worker
+                                         fetches at once. 0: every notification fetches
 ============================  =========  ==========================================================
 """
 
@@ -163,6 +168,7 @@ class Options:
     durable_publish: bool = True
     xmin_horizon_warning: float = 300.0
     prepared_statements: bool = True
+    fetch_cooldown: float = 0.002
 
     @property
     def connect_kwargs(self) -> dict[str, Any]:
@@ -214,7 +220,7 @@ class Options:
                 "transport options max_attempts and fetch_limit must be >= 1, "
                 f"max_message_size between 1024 and {MAX_MESSAGE_SIZE_LIMIT}"
             )
-        for name in ("eta_threshold", "xmin_horizon_warning"):
+        for name in ("eta_threshold", "xmin_horizon_warning", "fetch_cooldown"):
             if getattr(self, name) < 0:
                 raise exceptions.ConfigurationError(f"transport option {name} must be >= 0")
 
@@ -796,6 +802,7 @@ class Channel(virtual.Channel):
                 fetcher.send(pairs, ack_queues, limit, self.consumer_id)
                 self._fetch_acks = len(pairs)
                 self._sent_wake_seq = self.connection._wake_seq
+                self.connection._last_fetch = time.monotonic()
                 self.connection._watch_fetch(self, fetcher)
                 return []  # the rows arrive with the reply (Transport._on_fetch_readable)
             done, rows = self.consumer_store.ack_fetch(
@@ -1165,6 +1172,10 @@ class Transport(virtual.Transport):
         # Counts notifications for consumed queues: one that arrives while a fetch is in
         # flight (its snapshot may predate the message) calls for another fetch after it.
         self._wake_seq = 0
+        # When the loop last sent a fetch, and a notified fetch already put off until the
+        # fetch_cooldown since then has passed.
+        self._last_fetch = 0.0
+        self._cooldown_queued = False
 
     def __repr__(self) -> str:
         return f"<pgskip Transport {mask_url(self.url)}>"
@@ -1482,6 +1493,7 @@ class Transport(virtual.Transport):
         self._drain_queued = False
         self._refill_queued = False
         self._ack_flush_queued = False
+        self._cooldown_queued = False
         if loop is None or self._pid != os.getpid():
             return
         for fd in fds:
@@ -1537,7 +1549,17 @@ class Transport(virtual.Transport):
             self._loop.call_later(delay, self._async_drain)
         if queues:
             self._wake_seq += 1
-            self._async_drain(queues)
+            wait = self._last_fetch + self.options.fetch_cooldown - time.monotonic()
+            if wait <= 0:
+                self._async_drain(queues)
+            elif not self._cooldown_queued:
+                # Messages are streaming in: one fetch for those of the next moment.
+                self._cooldown_queued = True
+                self._loop.call_later(wait, self._cooled_down)
+
+    def _cooled_down(self) -> None:
+        self._cooldown_queued = False
+        self._async_drain()
 
     def _watch_fetch(self, channel: PgChannel, fetcher: AsyncFetcher) -> None:
         fd = fetcher.fileno()
@@ -1582,9 +1604,12 @@ class Transport(virtual.Transport):
             return
         for row in rows:
             self._deliver_row(channel, row)
-        if channel._more_due or channel._sent_wake_seq != self._wake_seq:
+        if channel._more_due or (
+            channel._sent_wake_seq != self._wake_seq and not self._cooldown_queued
+        ):
             # More may be due, or a notification arrived after the statement was sent (its
-            # message may have committed after the fetch's snapshot): fetch again.
+            # message may have committed after the fetch's snapshot): fetch again (unless a
+            # fetch is already set for the end of fetch_cooldown).
             self._queue_drain()
         elif channel._pending_acks:
             self._queue_ack_flush()

@@ -404,3 +404,44 @@ def test_a_notification_during_a_fetch_in_flight_is_not_lost(db_url: str) -> Non
         finally:
             conn.transport.unregister_from_event_loop(conn.connection, hub)
             hub.close()
+
+
+def test_notifications_within_the_fetch_cooldown_share_one_fetch(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While messages stream in, a notification's fetch waits until ``fetch_cooldown`` after
+    the previous fetch was sent; the messages announced meanwhile come in that one fetch."""
+    from kombu_pgskip.fetcher import AsyncFetcher
+
+    sends: list[float] = []
+    real_send = AsyncFetcher.send
+
+    def counted(self: AsyncFetcher, *args: object, **kwargs: object) -> None:
+        sends.append(time.monotonic())
+        real_send(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(AsyncFetcher, "send", counted)
+    queue = Queue("cooldown", Exchange("cooldown"), "cooldown")
+    options = {"polling_interval": 30, "fetch_cooldown": 1.0}
+    with Connection(_broker(db_url), transport_options=options) as conn:
+        received: list[object] = []
+        hub = Hub()
+        try:
+            channel = conn.channel()
+            Consumer(
+                channel, [queue], callbacks=[lambda body, m: received.append(m)], prefetch_count=10
+            ).consume()
+            conn.transport.register_with_event_loop(conn.connection, hub)
+            _run_until(hub, lambda: False, timeout=1.2)  # past the cooldown of the first fetch
+            sends.clear()
+            _publish(conn, queue, 1)
+            _run_until(hub, lambda: len(received) == 1)
+            assert len(sends) == 1, "the first notification after a quiet second fetches at once"
+            _publish(conn, queue, 3)
+            _run_until(hub, lambda: len(received) == 4)
+            assert len(received) == 4
+            assert len(sends) == 2, "three notifications within the cooldown: one more fetch"
+            assert sends[1] - sends[0] >= 0.95
+        finally:
+            conn.transport.unregister_from_event_loop(conn.connection, hub)
+            hub.close()

@@ -133,7 +133,13 @@ def test_options_defaults_and_coercion() -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"lease_seconds": 1}, {"max_attempts": 0}, {"polling_interval": "soon"}, {"schema": ""}],
+    [
+        {"lease_seconds": 1},
+        {"max_attempts": 0},
+        {"polling_interval": "soon"},
+        {"schema": ""},
+        {"fetch_cooldown": -0.001},
+    ],
 )
 def test_invalid_options_raise_configuration_error(options: dict[str, object]) -> None:
     with pytest.raises(exceptions.ConfigurationError):
