@@ -24,7 +24,8 @@
    ``fetch_cooldown`` in turn (0, 0.002, 0.005; rounds alternate): the rate, the worker's
    ``ack_fetch`` statements per task (``pg_stat_statements``) and CPU per task of the publisher,
    the worker's process tree and all the database's client backends together (the publisher's,
-   the worker's fetch, LISTEN and heartbeat connections; utime + stime from ``/proc``).
+   the worker's fetch, LISTEN and heartbeat connections; utime + stime from ``/proc``), and the
+   time from just before each ``apply_async`` to the task's start (p50, p99) in that stream.
 
 It runs its own EmbeddedPostgres (fsync on) with ``pg_stat_statements`` preloaded.
 """
@@ -245,7 +246,7 @@ def e2e_cpu(
     n: int = 3000,
 ) -> dict[str, Any]:
     """Per task, end to end: fetch statements and CPU of every process, by ``fetch_cooldown``."""
-    from .common import descendants
+    from .common import descendants, percentile
     from .workers import warm_up
 
     def cpu_s(pid: int) -> float:
@@ -287,11 +288,15 @@ def e2e_cpu(
                 _reset(admin)
                 c0, w0 = time.process_time(), sum(cpu_s(p) for p in tree)
                 b0 = sum(cpu_s(p) for p in backends)
+                sent: list[float] = []
                 t0 = time.time()
                 for i in range(n):
+                    sent.append(time.time())
                     task.apply_async(kwargs={"i": i})
                 stamps.wait_for(n, 180)
-                last = max(t for i, t in stamps.read() if i >= 0)
+                started = {i: t for i, t in stamps.read() if i >= 0}
+                last = max(started.values())
+                waits = [started[i] - sent[i] for i in range(n) if i in started]
                 c1, w1 = time.process_time(), sum(cpu_s(p) for p in tree)
                 b1 = sum(cpu_s(p) for p in backends)
                 fetches = admin.execute(
@@ -304,6 +309,8 @@ def e2e_cpu(
                     "publisher_cpu_us": 1e6 * (c1 - c0) / n,
                     "worker_cpu_us": 1e6 * (w1 - w0) / n,
                     "backends_cpu_us": 1e6 * (b1 - b0) / n,
+                    "publish_to_start_ms_p50": 1e3 * (percentile(waits, 50) or 0.0),
+                    "publish_to_start_ms_p99": 1e3 * (percentile(waits, 99) or 0.0),
                 }
                 samples[cooldown].append(row)
                 log(f"e2e cpu, fetch_cooldown={cooldown}: {row['rate']:.0f} tasks/s")
