@@ -15,6 +15,7 @@ from .common import log, percentile
 from .workers import (
     StampDir,
     Worker,
+    idle_worker,
     new_queue,
     publish_backlog,
     publisher_app,
@@ -77,12 +78,7 @@ def worker_side(
 def end_to_end(broker: Broker, *, n: int, timeout: float) -> dict[str, Any]:
     """An idle worker (``-P threads -c 4``); one publisher sends ``n`` tasks back to back."""
     broker.reset()
-    queue = new_queue("e2e")
-    app = publisher_app(broker, queue)
-    stamps = StampDir()
-    worker = Worker(broker, queue, stamps, pool="threads", concurrency=4, name="e2e")
-    try:
-        worker.start()
+    with idle_worker(broker, "e2e") as (app, stamps, worker):
         if not warm_up(app, stamps):
             return {"error": "worker did not start", "worker_log": worker.log_tail()}
         task = app.tasks["bench.noop"]
@@ -108,11 +104,6 @@ def end_to_end(broker: Broker, *, n: int, timeout: float) -> dict[str, Any]:
             result["note"] = f"timed out: {done} of {n} tasks started"
             result["rate_partial"] = None if last is None else done / (last - t0)
         return result
-    finally:
-        worker.stop()
-        stamps.cleanup()
-        app.close()
-        broker.delete_queues([queue])
 
 
 def publish_breakdown(

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import dataclasses
 import json
 import pstats
 import shutil
@@ -48,8 +49,16 @@ from typing import Any
 import psycopg
 
 from .brokers import Broker
-from .common import REPO, log, median
-from .workers import StampDir, Worker, new_queue, publish_backlog, publisher_app
+from .common import REPO, descendants, log, median, percentile
+from .workers import (
+    StampDir,
+    Worker,
+    idle_worker,
+    new_queue,
+    publish_backlog,
+    publisher_app,
+    warm_up,
+)
 
 STATS = """
 SELECT calls, rows, round(total_exec_time::numeric, 1) AS ms,
@@ -246,8 +255,6 @@ def e2e_cpu(
     n: int = 3000,
 ) -> dict[str, Any]:
     """Per task, end to end: fetch statements and CPU of every process, by ``fetch_cooldown``."""
-    from .common import descendants, percentile
-    from .workers import warm_up
 
     def cpu_s(pid: int) -> float:
         try:
@@ -258,20 +265,8 @@ def e2e_cpu(
     samples: dict[float, list[dict[str, float]]] = {c: [] for c in cooldowns}
     for _ in range(rounds):
         for cooldown in cooldowns:
-            b = Broker(
-                broker.name,
-                broker.label,
-                url=broker.url,
-                db_url=broker.db_url,
-                available=True,
-                transport_options={"fetch_cooldown": cooldown},
-            )
-            queue = new_queue("e2ecpu")
-            app = publisher_app(b, queue)
-            stamps = StampDir()
-            worker = Worker(b, queue, stamps, pool="threads", concurrency=4, name="e2ecpu")
-            try:
-                worker.start()
+            b = dataclasses.replace(broker, transport_options={"fetch_cooldown": cooldown})
+            with idle_worker(b, "e2ecpu") as (app, stamps, worker):
                 if not warm_up(app, stamps):
                     raise RuntimeError(f"worker did not start: {worker.log_tail()}")
                 task = app.tasks["bench.noop"]
@@ -314,11 +309,6 @@ def e2e_cpu(
                 }
                 samples[cooldown].append(row)
                 log(f"e2e cpu, fetch_cooldown={cooldown}: {row['rate']:.0f} tasks/s")
-            finally:
-                worker.stop()
-                stamps.cleanup()
-                app.close()
-                b.delete_queues([queue])
     out: dict[str, Any] = {"rounds": rounds, "tasks": n}
     for cooldown, rows in samples.items():
         out[f"fetch_cooldown={cooldown}"] = {

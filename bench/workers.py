@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +181,24 @@ def stop_all(workers: Iterable[Worker]) -> None:
 
 def publisher_app(broker: Broker, queue: str) -> Any:
     return make_app(broker.publisher_url or "", queue, broker.transport_options)
+
+
+@contextlib.contextmanager
+def idle_worker(broker: Broker, tag: str) -> Iterator[tuple[Any, StampDir, Worker]]:
+    """A started ``-P threads -c 4`` worker on a new queue and a publisher app for that queue
+    (the caller checks :func:`warm_up`); stopped, cleaned up and the queue deleted on exit."""
+    queue = new_queue(tag)
+    app = publisher_app(broker, queue)
+    stamps = StampDir()
+    worker = Worker(broker, queue, stamps, pool="threads", concurrency=4, name=tag)
+    try:
+        worker.start()
+        yield app, stamps, worker
+    finally:
+        worker.stop()
+        stamps.cleanup()
+        app.close()
+        broker.delete_queues([queue])
 
 
 def publish_backlog(

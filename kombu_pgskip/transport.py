@@ -1612,6 +1612,7 @@ class Transport(virtual.Transport):
             # fetch is already set for the end of fetch_cooldown).
             self._queue_drain()
         elif channel._pending_acks:
+            # Acks that came in during the fetch (their flush may have fired while it ran).
             self._queue_ack_flush()
 
     def _on_poll_tick(self) -> None:

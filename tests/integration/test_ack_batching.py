@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import select
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -295,58 +297,80 @@ def _run_until(hub: Hub, done: object, timeout: float = 10.0) -> None:
         hub.run_once()
 
 
+@contextlib.contextmanager
+def _consuming_on_a_hub(
+    conn: Connection, queue: Queue, prefetch_count: int
+) -> Iterator[tuple[Any, list[Any], Hub]]:
+    """A consumer of ``queue`` on a new channel, registered with a kombu Hub: (the channel,
+    the messages received, the hub)."""
+    received: list[Any] = []
+    hub = Hub()
+    try:
+        channel = conn.channel()
+        Consumer(
+            channel,
+            [queue],
+            callbacks=[lambda body, m: received.append(m)],
+            prefetch_count=prefetch_count,
+        ).consume()
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        yield channel, received, hub
+    finally:
+        conn.transport.unregister_from_event_loop(conn.connection, hub)
+        hub.close()
+
+
+@pytest.fixture
+def fetch_sends(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, int]]:
+    """Every event-loop fetch sent, as (time.monotonic(), acks it carries)."""
+    from kombu_pgskip.fetcher import AsyncFetcher
+
+    sends: list[tuple[float, int]] = []
+    real_send = AsyncFetcher.send
+
+    def recorded(self: AsyncFetcher, tags: Any, *args: Any, **kwargs: Any) -> None:
+        sends.append((time.monotonic(), len(tags)))
+        real_send(self, tags, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncFetcher, "send", recorded)
+    return sends
+
+
 def test_on_an_event_loop_an_ack_rides_with_the_next_notifications_fetch(
-    db_url: str, monkeypatch: pytest.MonkeyPatch
+    db_url: str, monkeypatch: pytest.MonkeyPatch, fetch_sends: list[tuple[float, int]]
 ) -> None:
     """An ack on an idle consumer (nothing left behind for lack of credit) does not cost a
     fetch of its own: the fetch a notification triggers writes it, or one fetch
     ``ACK_FLUSH_DELAY`` later if nothing arrives."""
     from kombu_pgskip import transport as transport_module
-    from kombu_pgskip.fetcher import AsyncFetcher
 
     monkeypatch.setattr(transport_module, "ACK_FLUSH_DELAY", 0.5)  # an order the test can see
-    sends: list[int] = []
-    real_send = AsyncFetcher.send
-
-    def counted(self: AsyncFetcher, tags: object, *args: object, **kwargs: object) -> None:
-        sends.append(len(tags))  # type: ignore[arg-type]
-        real_send(self, tags, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(AsyncFetcher, "send", counted)
     queue = Queue("carried", Exchange("carried"), "carried")
-    with Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn:
-        received: list[object] = []
-        hub = Hub()
-        try:
-            channel = conn.channel()
-            Consumer(
-                channel, [queue], callbacks=[lambda body, m: received.append(m)], prefetch_count=4
-            ).consume()
-            conn.transport.register_with_event_loop(conn.connection, hub)
-            _publish(conn, queue, 1)
-            _run_until(hub, lambda: len(received) == 1)
-            assert len(received) == 1
-            _run_until(hub, lambda: False, timeout=0.2)  # settled: no fetch in flight or queued
-            assert not channel._fetcher.in_flight
-            sends.clear()
-            received[0].ack()  # type: ignore[attr-defined]
-            hub.run_once()
-            assert sends == [], "no fetch of its own for an ack while nothing waits"
-            assert _statuses(db_url) == ["running"]
-            _publish(conn, queue, 1)
-            _run_until(hub, lambda: len(received) == 2)
-            assert len(received) == 2
-            assert sends == [1], "the notification's fetch carried the ack"
-            assert _statuses(db_url) == ["completed", "running"]
-            received[1].ack()  # type: ignore[attr-defined]
-            started = time.monotonic()
-            _run_until(hub, lambda: _statuses(db_url) == ["completed"] * 2)
-            assert _statuses(db_url) == ["completed"] * 2, "a lone ack is written by a timer"
-            assert time.monotonic() - started < 10
-            assert sends == [1, 1]
-        finally:
-            conn.transport.unregister_from_event_loop(conn.connection, hub)
-            hub.close()
+    with (
+        Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn,
+        _consuming_on_a_hub(conn, queue, 4) as (channel, received, hub),
+    ):
+        _publish(conn, queue, 1)
+        _run_until(hub, lambda: len(received) == 1)
+        assert len(received) == 1
+        _run_until(hub, lambda: False, timeout=0.2)  # settled: no fetch in flight or queued
+        assert not channel._fetcher.in_flight
+        fetch_sends.clear()
+        received[0].ack()
+        hub.run_once()
+        assert fetch_sends == [], "no fetch of its own for an ack while nothing waits"
+        assert _statuses(db_url) == ["running"]
+        _publish(conn, queue, 1)
+        _run_until(hub, lambda: len(received) == 2)
+        assert len(received) == 2
+        assert [acks for _, acks in fetch_sends] == [1], "the notification's fetch carried it"
+        assert _statuses(db_url) == ["completed", "running"]
+        received[1].ack()
+        started = time.monotonic()
+        _run_until(hub, lambda: _statuses(db_url) == ["completed"] * 2)
+        assert _statuses(db_url) == ["completed"] * 2, "a lone ack is written by a timer"
+        assert time.monotonic() - started < 10
+        assert [acks for _, acks in fetch_sends] == [1, 1]
 
 
 def test_an_ack_frees_credit_for_messages_left_behind_at_once(db_url: str) -> None:
@@ -355,93 +379,57 @@ def test_an_ack_frees_credit_for_messages_left_behind_at_once(db_url: str) -> No
     queue = Queue("starved", Exchange("starved"), "starved")
     with Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn:
         _publish(conn, queue, 6)
-        received: list[object] = []
-        hub = Hub()
-        try:
-            channel = conn.channel()
-            Consumer(
-                channel, [queue], callbacks=[lambda body, m: received.append(m)], prefetch_count=2
-            ).consume()
-            conn.transport.register_with_event_loop(conn.connection, hub)
+        with _consuming_on_a_hub(conn, queue, 2) as (channel, received, hub):
             _run_until(hub, lambda: len(received) == 2)
             assert len(received) == 2 and channel._starved
             for message in received:
-                message.ack()  # type: ignore[attr-defined]
+                message.ack()
             assert conn.transport._fetch_wanted, "the wake-up asks for a fetch, not a flush"
             _run_until(hub, lambda: len(received) == 4)
             assert len(received) == 4
-        finally:
-            conn.transport.unregister_from_event_loop(conn.connection, hub)
-            hub.close()
 
 
 def test_a_notification_during_a_fetch_in_flight_is_not_lost(db_url: str) -> None:
     """A message committed after an in-flight fetch took its snapshot is announced while that
     fetch runs; the loop fetches again after the reply instead of waiting for the next poll."""
     queue = Queue("overlap", Exchange("overlap"), "overlap")
-    with Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn:
-        received: list[object] = []
-        hub = Hub()
-        try:
-            channel = conn.channel()
-            Consumer(
-                channel, [queue], callbacks=[lambda body, m: received.append(m)], prefetch_count=4
-            ).consume()
-            transport = conn.transport
-            transport.register_with_event_loop(conn.connection, hub)
-            _run_until(hub, lambda: channel._fetcher is not None and not channel._fetcher.in_flight)
-            transport._async_drain()  # a fetch of the (empty) queue is in flight
-            assert channel._fetcher is not None and channel._fetcher.in_flight
-            _publish(conn, queue, 1)
-            listener = transport._listener
-            assert listener is not None
-            select.select([listener.pgconn.socket], [], [], 5)
-            transport._on_listener_readable()  # the notification, before the fetch's reply
-            started = time.monotonic()
-            _run_until(hub, lambda: len(received) == 1, timeout=5)
-            assert len(received) == 1, "delivered without waiting for the 30 s poll"
-            assert time.monotonic() - started < 5
-        finally:
-            conn.transport.unregister_from_event_loop(conn.connection, hub)
-            hub.close()
+    with (
+        Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn,
+        _consuming_on_a_hub(conn, queue, 4) as (channel, received, hub),
+    ):
+        transport = conn.transport
+        _run_until(hub, lambda: channel._fetcher is not None and not channel._fetcher.in_flight)
+        transport._async_drain()  # a fetch of the (empty) queue is in flight
+        assert channel._fetcher is not None and channel._fetcher.in_flight
+        _publish(conn, queue, 1)
+        listener = transport._listener
+        assert listener is not None
+        select.select([listener.pgconn.socket], [], [], 5)
+        transport._on_listener_readable()  # the notification, before the fetch's reply
+        started = time.monotonic()
+        _run_until(hub, lambda: len(received) == 1, timeout=5)
+        assert len(received) == 1, "delivered without waiting for the 30 s poll"
+        assert time.monotonic() - started < 5
 
 
 def test_notifications_within_the_fetch_cooldown_share_one_fetch(
-    db_url: str, monkeypatch: pytest.MonkeyPatch
+    db_url: str, fetch_sends: list[tuple[float, int]]
 ) -> None:
     """While messages stream in, a notification's fetch waits until ``fetch_cooldown`` after
     the previous fetch was sent; the messages announced meanwhile come in that one fetch."""
-    from kombu_pgskip.fetcher import AsyncFetcher
-
-    sends: list[float] = []
-    real_send = AsyncFetcher.send
-
-    def counted(self: AsyncFetcher, *args: object, **kwargs: object) -> None:
-        sends.append(time.monotonic())
-        real_send(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(AsyncFetcher, "send", counted)
     queue = Queue("cooldown", Exchange("cooldown"), "cooldown")
     options = {"polling_interval": 30, "fetch_cooldown": 1.0}
-    with Connection(_broker(db_url), transport_options=options) as conn:
-        received: list[object] = []
-        hub = Hub()
-        try:
-            channel = conn.channel()
-            Consumer(
-                channel, [queue], callbacks=[lambda body, m: received.append(m)], prefetch_count=10
-            ).consume()
-            conn.transport.register_with_event_loop(conn.connection, hub)
-            _run_until(hub, lambda: False, timeout=1.2)  # past the cooldown of the first fetch
-            sends.clear()
-            _publish(conn, queue, 1)
-            _run_until(hub, lambda: len(received) == 1)
-            assert len(sends) == 1, "the first notification after a quiet second fetches at once"
-            _publish(conn, queue, 3)
-            _run_until(hub, lambda: len(received) == 4)
-            assert len(received) == 4
-            assert len(sends) == 2, "three notifications within the cooldown: one more fetch"
-            assert sends[1] - sends[0] >= 0.95
-        finally:
-            conn.transport.unregister_from_event_loop(conn.connection, hub)
-            hub.close()
+    with (
+        Connection(_broker(db_url), transport_options=options) as conn,
+        _consuming_on_a_hub(conn, queue, 10) as (_channel, received, hub),
+    ):
+        _run_until(hub, lambda: False, timeout=1.2)  # past the cooldown of the first fetch
+        fetch_sends.clear()
+        _publish(conn, queue, 1)
+        _run_until(hub, lambda: len(received) == 1)
+        assert len(fetch_sends) == 1, "the first notification after a quiet second fetches"
+        _publish(conn, queue, 3)
+        _run_until(hub, lambda: len(received) == 4)
+        assert len(received) == 4
+        assert len(fetch_sends) == 2, "three notifications within the cooldown: one fetch"
+        assert fetch_sends[1][0] - fetch_sends[0][0] >= 0.95
