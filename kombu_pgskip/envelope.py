@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -153,12 +154,7 @@ def _row(
     payload = _encode(message)
     if len(payload) > max_message_size:
         raise _too_large(len(payload), destination, max_message_size)
-    if "\\u0000" in payload:
-        # PostgreSQL's json accepts it, but nothing can decode it back reliably.
-        raise exceptions.ConfigurationError(
-            "message contains a NUL character (\\u0000), which PostgreSQL cannot store: "
-            "use a binary serializer (pickle/msgpack) or strip NULs"
-        )
+    _refuse_nul(payload)
     eta = _parse_eta(headers.get("eta"))
     status, run_at = "pending", None
     if eta is not None:
@@ -177,6 +173,65 @@ def _row(
         task_id=str(task_id) if task_id is not None else None,
         ttl_ms=_ttl_ms(message),
     )
+
+
+class Rebodied:
+    """Rows like ``row`` with other bodies, as publishing the same call again would write them.
+
+    ``row`` is what :func:`to_row` or :func:`to_routed_row` built for one message. Only the
+    body and the delivery tag (kombu's ``uuid4`` per message) differ between messages of one
+    ``publish_many`` call; every other part of the payload, and every column, is the same. So
+    the payload is encoded once, around two markers, and each further message is the two
+    pieces spliced in: the same JSON text, without kombu's message dict or a second encoding
+    of its headers.
+    """
+
+    def __init__(self, row: NewMessage, destination: str, *, max_message_size: int) -> None:
+        message = loads(row.payload)
+        self.row = row
+        self.destination = destination
+        self.max_message_size = max_message_size
+        self.body_encoding = (message.get("properties") or {}).get("body_encoding")
+        self.content = (message.get("content-type"), message.get("content-encoding"))
+        marker = f"pgskip-{uuid.uuid4().hex}"
+        message["body"] = marker
+        message["properties"]["delivery_tag"] = marker + "t"
+        text = _encode(message)
+        body_at = text.index(f'"{marker}"')
+        tag_at = text.index(f'"{marker}t"')
+        if body_at > tag_at:  # kombu puts the body first; anything else is not spliced
+            raise ValueError("body after delivery tag")
+        self._head = text[:body_at]
+        self._middle = text[body_at + len(marker) + 2 : tag_at]
+        self._tail = text[tag_at + len(marker) + 3 :]
+
+    def with_body(self, body: str) -> NewMessage:
+        """The row for a message whose encoded body (``body_encoding`` applied) is ``body``."""
+        encoded = dumps(body)
+        _refuse_nul(encoded)
+        payload = f'{self._head}{encoded}{self._middle}"{uuid.uuid4()}"{self._tail}'
+        if len(payload) > self.max_message_size:
+            raise _too_large(len(payload), self.destination, self.max_message_size)
+        row = self.row
+        return NewMessage(
+            row.queue,
+            row.priority,
+            row.status,
+            row.run_at,
+            payload,
+            row.task_name,
+            row.task_id,
+            row.ttl_ms,
+        )
+
+
+def _refuse_nul(payload: str) -> None:
+    if "\\u0000" in payload:
+        # PostgreSQL's json accepts it, but nothing can decode it back reliably.
+        raise exceptions.ConfigurationError(
+            "message contains a NUL character (\\u0000), which PostgreSQL cannot store: "
+            "use a binary serializer (pickle/msgpack) or strip NULs"
+        )
 
 
 def _too_large(size: int, destination: str, limit: int) -> exceptions.MessageTooLarge:

@@ -19,6 +19,7 @@ from kombu import Connection, Consumer, Exchange, Queue
 import kombu_pgskip.store
 from kombu_pgskip import (
     ConfigurationError,
+    MessageTooLarge,
     UnsupportedCanvas,
     apply_many,
     apply_many_in,
@@ -44,11 +45,13 @@ def _transactions_of_jobs(db_url: str) -> int:
     return int(row[0])
 
 
-def _consume_all(url: str, queue: Queue, n: int) -> list[Any]:
+def _consume_all(url: str, queue: Queue, n: int, accept: list[str] | None = None) -> list[Any]:
     got: list[Any] = []
     with (
         Connection(url) as conn,
-        Consumer(conn, [queue], callbacks=[lambda body, m: (got.append(body), m.ack())]),
+        Consumer(
+            conn, [queue], callbacks=[lambda body, m: (got.append(body), m.ack())], accept=accept
+        ),
     ):
         while len(got) < n:
             conn.drain_events(timeout=5)
@@ -66,6 +69,113 @@ def test_publish_many_writes_every_body_in_one_transaction_in_order(db_url: str)
     assert len(ids) == 2000 and ids == sorted(ids)
     assert _transactions_of_jobs(db_url) == 1
     assert _consume_all(url, queue, 2000) == bodies
+
+
+def _count_publishes(producer: Any) -> dict[str, int]:
+    """Count the calls of ``producer.publish`` from now on."""
+    calls = {"n": 0}
+    real = producer.publish
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    producer.publish = counting
+    return calls
+
+
+_PUBLISH_OPTION_SETS: dict[str, dict[str, Any]] = {
+    "default exchange": {"routing_key": "alike"},
+    "direct exchange": {"exchange": "alike-x", "routing_key": "alike"},
+    "headers, priority, expiration, a property": {
+        "exchange": "alike-x",
+        "routing_key": "alike",
+        "headers": {"tenant": "acme", "n": 1},
+        "priority": 3,
+        "expiration": 60,
+        "correlation_id": "c-1",
+    },
+    "compressed": {"routing_key": "alike", "compression": "zlib"},
+    "pickle": {"routing_key": "alike", "serializer": "pickle"},
+    "raw text": {"routing_key": "alike", "content_type": "text/plain"},
+}
+
+
+@pytest.mark.parametrize("options", _PUBLISH_OPTION_SETS.values(), ids=_PUBLISH_OPTION_SETS)
+def test_publish_many_rows_equal_those_of_publish_one_by_one(
+    db_url: str, options: dict[str, Any]
+) -> None:
+    text = options.get("content_type") == "text/plain"
+    bodies: list[Any] = (
+        [f"line {i} ünïcode" for i in range(5)]
+        if text
+        else [{"i": i, "text": f"message {i} — ' \" ;"} for i in range(5)]
+    )
+    queue = Queue("alike", Exchange("alike-x"), "alike")
+    with Connection(broker_url(db_url)) as conn:
+        queue(conn.default_channel).declare()
+        producer = conn.Producer()
+        for body in bodies:
+            producer.publish(body, **options)
+        calls = _count_publishes(producer)
+        publish_many(producer, bodies, **options)
+    assert calls["n"] == 1  # the later bodies were spliced, not published one by one
+    rows = jobs(db_url)
+    assert len(rows) == 2 * len(bodies)
+    one_by_one, many = rows[: len(bodies)], rows[len(bodies) :]
+    assert [_comparable(r) for r in many] == [_comparable(r) for r in one_by_one]
+    tags = [r.payload["properties"]["delivery_tag"] for r in rows]
+    assert len(set(tags)) == len(tags)  # each message its own tag, as kombu gives it
+    accept = ["json", "pickle", "text/plain"]
+    assert _consume_all(broker_url(db_url), queue, 2 * len(bodies), accept) == bodies + bodies
+
+
+def test_publish_many_splices_later_bodies_instead_of_publishing_each(db_url: str) -> None:
+    queue = Queue("splice", Exchange("splice"), "splice")
+    with Connection(broker_url(db_url)) as conn:
+        producer = conn.Producer()
+        calls = _count_publishes(producer)
+        bodies = [{"n": n} for n in range(100)]
+        ids = publish_many(
+            producer, bodies, exchange=queue.exchange, routing_key="splice", declare=[queue]
+        )
+    assert len(ids) == 100
+    assert calls["n"] == 1  # the first body only: the other 99 are spliced into its row
+    assert _consume_all(broker_url(db_url), queue, 100) == [{"n": n} for n in range(100)]
+
+
+def test_publish_many_publishes_a_body_of_another_content_type_in_full(db_url: str) -> None:
+    queue = Queue("mixed", Exchange("mixed"), "mixed")
+    bodies: list[Any] = ["text", b"\x00\xffbinary", "more text"]
+    with Connection(broker_url(db_url)) as conn:
+        queue(conn.default_channel).declare()
+        producer = conn.Producer()
+        publish_many(producer, bodies, routing_key="mixed", content_type="application/x-thing")
+    got: list[Any] = []
+    with (
+        Connection(broker_url(db_url)) as conn,
+        Consumer(
+            conn,
+            [queue],
+            callbacks=[lambda b, m: (got.append(m), m.ack())],
+            accept=["application/x-thing"],
+        ),  # fmt: skip
+    ):
+        while len(got) < 3:
+            conn.drain_events(timeout=5)
+    assert [m.body for m in got] == [b"text", b"\x00\xffbinary", b"more text"]
+    assert [m.content_encoding for m in got] == ["utf-8", "binary", "utf-8"]
+
+
+def test_publish_many_refuses_a_later_body_over_max_message_size(db_url: str) -> None:
+    queue = Queue("big", Exchange("big"), "big")
+    bodies = [{"pad": "x" * 10}, {"pad": "y" * 10}, {"pad": "z" * 8000}]
+    with Connection(broker_url(db_url), transport_options={"max_message_size": 4096}) as conn:
+        queue(conn.default_channel).declare()
+        producer = conn.Producer()
+        with pytest.raises(MessageTooLarge, match=r"exchange 'big'.*max_message_size"):
+            publish_many(producer, bodies, exchange=queue.exchange, routing_key="big")
+    assert jobs(db_url) == []  # nothing half-written
 
 
 def test_rows_equal_those_the_same_calls_write_one_by_one(app: Celery, db_url: str) -> None:

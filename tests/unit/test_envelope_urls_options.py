@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from kombu_pgskip import exceptions
-from kombu_pgskip.envelope import make_tag, parse_tag, to_row, validate_queue_name
+from kombu_pgskip.envelope import (
+    Rebodied,
+    _encode,
+    make_tag,
+    parse_tag,
+    to_row,
+    validate_queue_name,
+)
 from kombu_pgskip.transport import Options
 from kombu_pgskip.urls import build_url, mask_url, to_conninfo
 
@@ -116,6 +124,22 @@ def test_oversized_message_is_refused_with_advice() -> None:
     message["body"] = "x" * 5000
     with pytest.raises(exceptions.MessageTooLarge, match="max_message_size"):
         to_row("q", message, eta_threshold=2, max_message_size=1024)
+
+
+def test_a_rebodied_row_is_the_row_of_the_same_message_with_another_body() -> None:
+    message = _message(eta=(NOW + timedelta(hours=1)).isoformat(), note='"quoted" — ü \\ ')
+    message["properties"] = {"priority": 4, "delivery_tag": "t-1", "body_encoding": "base64"}
+    first = to_row("q", message, eta_threshold=2, max_message_size=10**6, now=NOW)
+    rows = Rebodied(first, "queue 'q'", max_message_size=10**6)
+    row = rows.with_body("b3RoZXI=")
+    tag = json.loads(row.payload)["properties"]["delivery_tag"]
+    assert tag != "t-1"
+    other = {**message, "body": "b3RoZXI=", "properties": {**message["properties"]}}
+    other["properties"]["delivery_tag"] = tag
+    assert row.payload == _encode(other)  # the same JSON text as encoding it whole
+    assert row.to("q") == to_row("q", other, eta_threshold=2, max_message_size=10**6, now=NOW)
+    with pytest.raises(exceptions.MessageTooLarge, match="queue 'q'"):
+        Rebodied(first, "queue 'q'", max_message_size=len(first.payload) + 10).with_body("x" * 99)
 
 
 def test_delivery_tag_round_trips_row_and_attempt() -> None:
