@@ -8,6 +8,8 @@ broker-neutral clock measures every broker. Configuration comes from the environ
 * ``BENCH_QUEUE``: the queue to consume (a fresh name per measurement)
 * ``BENCH_TRANSPORT_OPTIONS``: JSON for ``broker_transport_options``
 * ``BENCH_STAMP_DIR``: where the start stamps go
+* ``BENCH_ACKS_LATE``: ``1`` for ``task_acks_late`` with ``worker_prefetch_multiplier = 1`` (the
+  settings Celery recommends for tasks that must survive a worker's crash)
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ def _stamp_file() -> Any:
 
 
 def make_app(
-    broker_url: str, queue: str, transport_options: dict[str, Any] | None = None
+    broker_url: str,
+    queue: str,
+    transport_options: dict[str, Any] | None = None,
+    *,
+    acks_late: bool = False,
 ) -> Celery:
     """The same app in workers and publishers: only the broker differs between brokers."""
     app = Celery("benchapp", broker=broker_url, set_as_current=False)
@@ -54,6 +60,8 @@ def make_app(
         task_send_sent_event=False,
         worker_hijack_root_logger=False,
     )
+    if acks_late:
+        app.conf.update(task_acks_late=True, worker_prefetch_multiplier=1)
 
     @app.task(name="bench.noop", shared=False)
     def noop(i: int = 0) -> None:
@@ -68,4 +76,5 @@ app = make_app(
     os.environ.get("BENCH_BROKER_URL", "memory://"),
     os.environ.get("BENCH_QUEUE", "bench"),
     json.loads(os.environ.get("BENCH_TRANSPORT_OPTIONS") or "{}"),
+    acks_late=os.environ.get("BENCH_ACKS_LATE") == "1",
 )

@@ -39,8 +39,10 @@ def worker_side(
     n: int,
     timeout: float,
     processes: int = 1,
+    acks_late: bool = False,
 ) -> dict[str, Any]:
-    """``n`` tasks wait in the broker, then ``processes`` workers start and drain them."""
+    """``n`` tasks wait in the broker, then ``processes`` workers start and drain them (with
+    ``acks_late``: ``task_acks_late`` and ``worker_prefetch_multiplier = 1``)."""
     broker.reset()
     queue = new_queue("ws")
     app = publisher_app(broker, queue)
@@ -50,7 +52,15 @@ def worker_side(
         publish_s = publish_backlog(broker, app, n)
         t_start = time.time()
         workers = [
-            Worker(broker, queue, stamps, pool=pool, concurrency=concurrency, name=f"ws{k}").start()
+            Worker(
+                broker,
+                queue,
+                stamps,
+                pool=pool,
+                concurrency=concurrency,
+                name=f"ws{k}",
+                acks_late=acks_late,
+            ).start()
             for k in range(processes)
         ]
         done = stamps.wait_for(n, timeout + 10.0 * processes)

@@ -88,6 +88,15 @@ def rows(data: dict[str, Any]) -> list[list[str]]:
             ">= 1.0x RabbitMQ",
             yes(None if p is None or rb is None else p >= rb),
         )
+    vals = {b: _get(r, "worker_side", "threads4_acks_late", b, "median", "rate") for b in BROKERS}
+    if any(v is not None for v in vals.values()):
+        row(
+            "1. Celery worker side, -P threads -c 4, acks_late, prefetch multiplier 1",
+            "tasks/s",
+            vals,
+            "",
+            "",
+        )
     vals = {b: _get(r, "end_to_end", b, "median", "rate") for b in BROKERS}
     p, rd = vals.get("pgskip"), vals.get("redis")
     row(

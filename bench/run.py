@@ -7,7 +7,8 @@ Measurements (``--only`` takes these names, comma-separated):
   raw_kombu          kombu publish (durable) and consume+ack with prefetch 100, per broker
   publish_breakdown  where one durable pgskip apply_async spends its time
   worker_side        Celery: backlog first, then the worker starts (-P threads -c 4 and
-                     -P prefork -c 2)
+                     -P prefork -c 2; and -P threads -c 4 with task_acks_late and
+                     worker_prefetch_multiplier 1)
   end_to_end         Celery: one publisher, idle worker, publish to task start
   latency            Celery: apply_async (and apply_async_in) to task start, idle worker
   scaling            Celery worker side with 1, 2, 4, 8 worker processes
@@ -188,19 +189,29 @@ class Runner:
         from .celery_bench import worker_side
 
         out: dict[str, Any] = {}
-        for pool, conc in (("threads", 4), ("prefork", 2)):
-            key = f"{pool}{conc}"
+        for pool, conc, acks_late in (
+            ("threads", 4, False),
+            ("prefork", 2, False),
+            ("threads", 4, True),
+        ):
+            key = f"{pool}{conc}" + ("_acks_late" if acks_late else "")
             out[key] = {}
             for name in CELERY_BROKERS:
                 b = self.broker(name)
                 if b is None:
                     continue
                 n = self.mode.backlog_slow if b.slow else self.mode.backlog
-                log(f"worker side -P {pool} -c {conc}: {name} ({n} tasks)")
+                late = ", acks_late, prefetch multiplier 1" if acks_late else ""
+                log(f"worker side -P {pool} -c {conc}{late}: {name} ({n} tasks)")
                 out[key][name] = self.repeat(
                     f"worker_side {key} {name}",
-                    lambda b=b, n=n, pool=pool, conc=conc: worker_side(
-                        b, pool=pool, concurrency=conc, n=n, timeout=self.mode.worker_timeout
+                    lambda b=b, n=n, pool=pool, conc=conc, late=acks_late: worker_side(
+                        b,
+                        pool=pool,
+                        concurrency=conc,
+                        n=n,
+                        timeout=self.mode.worker_timeout,
+                        acks_late=late,
                     ),
                 )
         self.results["worker_side"] = out

@@ -91,8 +91,10 @@ class Worker:
         concurrency: int = 4,
         name: str = "bench",
         log_dir: Path | None = None,
+        acks_late: bool = False,
     ) -> None:
         self.broker = broker
+        self.acks_late = acks_late
         self.queue = queue
         self.stamps = stamps
         self.pool = pool
@@ -131,6 +133,7 @@ class Worker:
             BENCH_QUEUE=self.queue,
             BENCH_TRANSPORT_OPTIONS=json.dumps(self.broker.transport_options),
             BENCH_STAMP_DIR=str(self.stamps.path),
+            BENCH_ACKS_LATE="1" if self.acks_late else "0",
             PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
         )
         with open(self.log_path, "ab") as log:
