@@ -35,6 +35,7 @@ from the bindings every process stored plus this process's own.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -83,9 +84,10 @@ def batch(target: Any) -> Iterator[list[int]]:
 
 
 def publish_many(producer: Any, bodies: Iterable[Any], **publish_options: Any) -> list[int]:
-    """``producer.publish(body, **publish_options)`` for every body, written by one statement.
+    """``producer.publish(body, **publish_options)`` for every body, in one transaction.
 
-    Returns the ids of the rows written (one per body and target queue).
+    Returns the ids of the rows written (one per body and target queue); inside a
+    :func:`batch` block, the block writes them (and its list gets the ids).
 
     The first body goes through ``producer.publish`` (declarations, routing, headers and
     properties, as always). As the options are the same for every body, the next messages
@@ -93,24 +95,47 @@ def publish_many(producer: Any, bodies: Iterable[Any], **publish_options: Any) -
     compressed) as ``publish`` would, and spliced into the first message's row
     (:class:`~kombu_pgskip.envelope.Rebodied`), skipping kombu's per-message work. A body
     that serializes to another content type (a ``str`` or ``bytes`` body among dicts) takes
-    the full ``publish``.
+    the full ``publish``. The rows are written a hundred at a time down a pipeline while the
+    next ones are built (:meth:`~kombu_pgskip.store.Store.publish_stream`), all in one
+    transaction: an error in any body writes nothing.
     """
     channel = _channel_of(producer)
-    with channel.collecting() as ids:
-        collected = channel._collected
-        assert collected is not None
-        like: _Like | None = None
-        for body in bodies:
-            item = None if like is None else like.item(body)
-            if item is not None:
-                collected.append(item)
-                continue
-            before = len(collected)
-            producer.publish(body, **publish_options)
-            if like is None and len(collected) == before + 1:
-                like = _Like.of(producer, channel, collected[-1], publish_options)
-    logger.debug("batch of %d messages written", len(ids), extra={"action": "publish_many"})
+    publishes = _publishes(producer, channel, bodies, publish_options)
+    if channel._collected is not None:  # inside batch(): that block writes
+        channel._collected.extend(publishes)
+        return []
+    # The first publish (its declarations included) is made before the transaction starts.
+    first = next(publishes, None)
+    if first is None:
+        return []
+    ids = channel.write_streamed(itertools.chain((first,), publishes))
+    logger.debug("%d messages written", len(ids), extra={"action": "publish_many"})
     return ids
+
+
+def _publishes(
+    producer: Any, channel: Channel, bodies: Iterable[Any], options: dict[str, Any]
+) -> Iterator[_Collected]:
+    """The buffered publish of each body, built as it is taken (see :func:`publish_many`)."""
+    like: _Like | None = None
+    for body in bodies:
+        item = None if like is None else like.item(body)
+        if item is None:
+            item = _published(producer, channel, body, options)
+            if like is None:
+                like = _Like.of(producer, channel, item, options)
+        yield item
+
+
+def _published(producer: Any, channel: Channel, body: Any, options: dict[str, Any]) -> _Collected:
+    """``producer.publish(body, **options)``, buffered: what it would write."""
+    outer, channel._collected = channel._collected, []
+    try:
+        producer.publish(body, **options)
+        (item,) = channel._collected
+    finally:
+        channel._collected = outer
+    return item
 
 
 class _Like:

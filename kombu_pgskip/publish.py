@@ -54,7 +54,7 @@ import functools
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from functools import cached_property
 from typing import Any
@@ -138,6 +138,10 @@ class _CallerStore(Store):
     def publish_many(self, messages: Sequence[NewMessage]) -> list[int]:
         """As :meth:`Store.publish_many`; the caller's transaction makes the chunks atomic."""
         return [i for chunk in publish_chunks(messages) for i in self._publish_chunk(chunk)]
+
+    def publish_stream(self, messages: Iterable[NewMessage]) -> list[int]:
+        """As :meth:`publish_many`: the caller's driver sends one statement at a time."""
+        return self.publish_many(list(messages))
 
     def run(self, query: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         known = _statement_texts(self.schema).get(id(query))

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -251,6 +251,28 @@ class Store:
             return [i for chunk in chunks for i in self._publish_chunk(chunk)]
         with self.conn.transaction():
             return [i for chunk in chunks for i in self._publish_chunk(chunk)]
+
+    def publish_stream(self, messages: Iterable[NewMessage]) -> list[int]:
+        """As :meth:`publish_many` for messages built while they are written.
+
+        ``messages`` may be a generator doing the work of building them: every
+        ``PUBLISH_STREAM_CHUNK`` messages, their statement is sent down a pipeline and the next
+        ones are built while the server inserts these. One transaction, all or none: an error
+        raised by the generator or by the server rolls back every chunk already sent. Returns
+        the ids in order.
+        """
+        conn = self.conn
+        if not psycopg.Pipeline.is_supported():  # libpq < 14
+            return self.publish_many(list(messages))
+        query = self.q["publish_many"]
+        cursors = []
+        with exceptions.translating(url_for_messages=self._masked_url):
+            with conn.pipeline(), conn.transaction():
+                for chunk in stream_chunks(messages):
+                    cursor = conn.cursor()
+                    cursor.execute(query, {"rows": _json_rows(chunk), **self._channels})
+                    cursors.append(cursor)
+            return [int(r[0]) for cursor in cursors for r in cursor.fetchall()]
 
     def _publish_chunk(self, messages: Sequence[NewMessage]) -> list[int]:
         params = {"rows": _json_rows(messages), **self._channels}
@@ -566,6 +588,26 @@ def publish_chunks(messages: Sequence[NewMessage]) -> list[Sequence[NewMessage]]
     if start < len(messages):
         chunks.append(messages[start:])
     return chunks
+
+
+#: Messages per statement of ``publish_stream``: small enough that the server's insert of one
+#: chunk overlaps the building of the next, large enough that a statement's own cost is small.
+PUBLISH_STREAM_CHUNK = 100
+
+
+def stream_chunks(messages: Iterable[NewMessage]) -> Iterator[list[NewMessage]]:
+    """``messages`` taken ``PUBLISH_STREAM_CHUNK`` at a time (fewer once a chunk's payloads
+    reach ``PUBLISH_MANY_BYTES``), each chunk yielded as soon as it is complete."""
+    chunk: list[NewMessage] = []
+    size = 0
+    for message in messages:
+        chunk.append(message)
+        size += len(message.payload)
+        if len(chunk) >= PUBLISH_STREAM_CHUNK or size >= PUBLISH_MANY_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
 
 
 def _json_rows(messages: Sequence[NewMessage]) -> str:

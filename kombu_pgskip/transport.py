@@ -106,7 +106,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from functools import cached_property
@@ -398,11 +398,21 @@ class Channel(virtual.Channel):
         ids.extend(self._write_collected(collected))
 
     def _write_collected(self, collected: list[_Collected]) -> list[int]:
+        rows = list(self._rows_of(collected))
+        return self.store.publish_many(rows) if rows else []
+
+    def write_streamed(self, collected: Iterable[_Collected]) -> list[int]:
+        """Write publishes that are still being made (``collected`` builds them lazily) in one
+        transaction: :meth:`~kombu_pgskip.store.Store.publish_stream`."""
+        return self.store.publish_stream(self._rows_of(collected))
+
+    def _rows_of(self, collected: Iterable[_Collected]) -> Iterator[NewMessage]:
+        """The rows of buffered publishes, routed: through an exchange, once per (exchange,
+        routing key), to the queues bound by every process plus this process's own."""
         routes: dict[tuple[str, str], list[str]] = {}
-        rows: list[NewMessage] = []
         for item in collected:
             if item.exchange is None:
-                rows.append(item.row)
+                yield item.row
                 continue
             key = (item.exchange, item.routing_key)
             if key not in routes:
@@ -411,8 +421,8 @@ class Channel(virtual.Channel):
             if not targets and self.deadletter_queue:
                 targets = [self.deadletter_queue]
             row = item.row
-            rows.extend(row.to(queue) for queue in targets)
-        return self.store.publish_many(rows) if rows else []
+            for queue in targets:
+                yield row.to(queue)
 
     def create_publish_batch(self, max_size: int) -> PublishBatch:
         """kombu's ``Producer.batch()``: publishes buffered, written ``max_size`` at a time."""

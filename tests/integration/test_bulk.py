@@ -15,6 +15,7 @@ import psycopg
 import pytest
 from celery import Celery, group
 from kombu import Connection, Consumer, Exchange, Queue
+from kombu.exceptions import EncodeError
 
 import kombu_pgskip.store
 from kombu_pgskip import (
@@ -230,32 +231,67 @@ def test_an_exception_in_the_block_writes_nothing(db_url: str) -> None:
     assert jobs(db_url) == []
 
 
-def test_many_chunks_are_still_all_or_nothing(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kombu_pgskip.store, "PUBLISH_MANY_CHUNK", 7)
+def _publish_in_a_batch(producer: Any, bodies: Any, **options: Any) -> list[int]:
+    with batch(producer) as ids:
+        for body in bodies:
+            producer.publish(body, **options)
+    return ids
+
+
+@pytest.mark.parametrize(
+    ("write", "chunk_setting"),
+    [(publish_many, "PUBLISH_STREAM_CHUNK"), (_publish_in_a_batch, "PUBLISH_MANY_CHUNK")],
+    ids=["publish_many streamed", "batch"],
+)
+def test_many_chunks_are_still_all_or_nothing(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, write: Any, chunk_setting: str
+) -> None:
+    monkeypatch.setattr(kombu_pgskip.store, chunk_setting, 7)
     queue = Queue("chunks", Exchange("chunks"), "chunks")
     with Connection(broker_url(db_url)) as conn:
         producer = conn.Producer()
-        ids = publish_many(producer, range(30), exchange=queue.exchange, routing_key="chunks",
-                           declare=[queue])  # fmt: skip
-        assert len(ids) == 30
+        ids = write(producer, range(30), exchange=queue.exchange, routing_key="chunks",
+                    declare=[queue])  # fmt: skip
+        assert len(ids) == 30 and ids == sorted(ids)
         assert _transactions_of_jobs(db_url) == 1  # five statements, one transaction
 
-        # A statement that fails after four chunks were written (a real error raised by the
-        # server inside the same transaction, before the fifth chunk): the four are rolled
-        # back with it.
+        # The fifth statement fails in the server (its rows are not valid JSON), after four
+        # chunks were written in the same transaction: the four are rolled back with it.
         calls = {"n": 0}
-        real = kombu_pgskip.store.Store._publish_chunk
+        real = kombu_pgskip.store._json_rows
 
-        def failing(self: Any, chunk: Any) -> list[int]:
+        def failing(messages: Any) -> str:
             calls["n"] += 1
-            if calls["n"] == 5:
-                self.conn.execute("SELECT 1/0")
-            return real(self, chunk)
+            return "[{not json" if calls["n"] == 5 else real(messages)
 
-        monkeypatch.setattr(kombu_pgskip.store.Store, "_publish_chunk", failing)
-        with pytest.raises(psycopg.errors.DivisionByZero):
-            publish_many(producer, range(30), exchange=queue.exchange, routing_key="chunks")
-    assert len(jobs(db_url)) == 30  # only the first batch
+        monkeypatch.setattr(kombu_pgskip.store, "_json_rows", failing)
+        with pytest.raises(psycopg.errors.InvalidTextRepresentation):
+            write(producer, range(30), exchange=queue.exchange, routing_key="chunks")
+        assert calls["n"] == 5
+        # The connection is usable afterwards.
+        monkeypatch.setattr(kombu_pgskip.store, "_json_rows", real)
+        assert len(write(producer, range(3), exchange=queue.exchange, routing_key="chunks")) == 3
+    assert len(jobs(db_url)) == 33  # only the first call's and the last call's
+
+
+def test_publish_many_writes_nothing_when_a_body_fails_midway(db_url: str) -> None:
+    queue = Queue("midway", Exchange("midway"), "midway")
+
+    class Unserializable:
+        pass
+
+    def bodies() -> Iterator[Any]:
+        yield from ({"n": n} for n in range(250))  # two chunks sent before the failure
+        yield Unserializable()
+
+    with Connection(broker_url(db_url)) as conn:
+        producer = conn.Producer()
+        with pytest.raises(EncodeError):
+            publish_many(producer, bodies(), exchange=queue.exchange, routing_key="midway",
+                         declare=[queue])  # fmt: skip
+        assert jobs(db_url) == []
+        ids = publish_many(producer, [{"n": 1}], exchange=queue.exchange, routing_key="midway")
+    assert [j.id for j in jobs(db_url)] == ids
 
 
 def test_fanout_routing_is_resolved_once_and_writes_a_row_per_queue(db_url: str) -> None:
