@@ -154,6 +154,7 @@ class _Like:
         self.first = first
         self.prepare = producer._prepare  # kombu's serialization (and compression) of a body
         self.encode_body = channel.encode_body
+        self.next_tag = channel._next_delivery_tag
         self.serializer = options.get("serializer")
         self.content_type = options.get("content_type")
         self.content_encoding = options.get("content_encoding")
@@ -189,9 +190,8 @@ class _Like:
         if not isinstance(encoded, str) or body_encoding != self.rows.body_encoding:
             return None
         first = self.first
-        return _Collected(
-            self.rows.with_body(encoded), first.exchange, first.routing_key, first.local
-        )
+        row = self.rows.with_body(encoded, self.next_tag())
+        return _Collected(row, first.exchange, first.routing_key, first.local)
 
 
 def _signatures(tasks: Iterable[Any], app: Any) -> list[Signature]:

@@ -179,7 +179,7 @@ class Rebodied:
     """Rows like ``row`` with other bodies, as publishing the same call again would write them.
 
     ``row`` is what :func:`to_row` or :func:`to_routed_row` built for one message. Only the
-    body and the delivery tag (kombu's ``uuid4`` per message) differ between messages of one
+    body and the delivery tag (one per message) differ between messages of one
     ``publish_many`` call; every other part of the payload, and every column, is the same. So
     the payload is encoded once, around two markers, and each further message is the two
     pieces spliced in: the same JSON text, without kombu's message dict or a second encoding
@@ -205,11 +205,11 @@ class Rebodied:
         self._middle = text[body_at + len(marker) + 2 : tag_at]
         self._tail = text[tag_at + len(marker) + 3 :]
 
-    def with_body(self, body: str) -> NewMessage:
+    def with_body(self, body: str, delivery_tag: str) -> NewMessage:
         """The row for a message whose encoded body (``body_encoding`` applied) is ``body``."""
         encoded = dumps(body)
         _refuse_nul(encoded)
-        payload = f'{self._head}{encoded}{self._middle}"{uuid.uuid4()}"{self._tail}'
+        payload = f"{self._head}{encoded}{self._middle}{dumps(delivery_tag)}{self._tail}"
         if len(payload) > self.max_message_size:
             raise _too_large(len(payload), self.destination, self.max_message_size)
         row = self.row

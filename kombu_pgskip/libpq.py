@@ -98,7 +98,7 @@ class Statement:
                 res = pgconn.exec_params(self.query, values)
             else:
                 res = self._exec_prepared(conn, values)
-                if _sqlstate(res) == b"26000":
+                if res.status not in _OK and _sqlstate(res) == b"26000":
                     # Deallocated behind our back (DISCARD ALL, DEALLOCATE): nothing ran.
                     self._prepared_on = None
                     res = self._exec_prepared(conn, values)

@@ -131,15 +131,16 @@ def test_a_rebodied_row_is_the_row_of_the_same_message_with_another_body() -> No
     message["properties"] = {"priority": 4, "delivery_tag": "t-1", "body_encoding": "base64"}
     first = to_row("q", message, eta_threshold=2, max_message_size=10**6, now=NOW)
     rows = Rebodied(first, "queue 'q'", max_message_size=10**6)
-    row = rows.with_body("b3RoZXI=")
+    row = rows.with_body("b3RoZXI=", 't-2 "quoted"')
     tag = json.loads(row.payload)["properties"]["delivery_tag"]
-    assert tag != "t-1"
+    assert tag == 't-2 "quoted"'
     other = {**message, "body": "b3RoZXI=", "properties": {**message["properties"]}}
     other["properties"]["delivery_tag"] = tag
     assert row.payload == _encode(other)  # the same JSON text as encoding it whole
     assert row.to("q") == to_row("q", other, eta_threshold=2, max_message_size=10**6, now=NOW)
+    small = Rebodied(first, "queue 'q'", max_message_size=len(first.payload) + 10)
     with pytest.raises(exceptions.MessageTooLarge, match="queue 'q'"):
-        Rebodied(first, "queue 'q'", max_message_size=len(first.payload) + 10).with_body("x" * 99)
+        small.with_body("x" * 99, "t")
 
 
 def test_delivery_tag_round_trips_row_and_attempt() -> None:
