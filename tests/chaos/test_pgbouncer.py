@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psycopg
+from kombu import Connection, Queue
+
+from kombu_pgskip import publish_many
 from tests.chaos.conftest import PGBOUNCER_OPTIONS
 from tests.chaos.pgbouncer import PgBouncer
 from tests.chaos.test_concurrency import run_concurrency_scenario
@@ -27,3 +31,23 @@ def test_four_prefork_workers_behind_pgbouncer_deliver_each_message_once(
     run_concurrency_scenario(
         "6-pgbouncer-concurrency", db_url, broker, chaos_log, chaos_report, env=PGBOUNCER_OPTIONS
     )
+
+
+def test_publish_many_through_pgbouncer_is_one_transaction(
+    pgbouncer: PgBouncer, db_url: str
+) -> None:
+    """publish_many sends its chunks down a pipeline inside one transaction: PgBouncer in
+    transaction pooling keeps them on one server connection, all or nothing."""
+    broker = pgbouncer.url_for(db_url).replace("postgresql://", "pgskip://", 1)
+    options = {"prepared_statements": False, "listen": False}
+    with Connection(broker, transport_options=options) as conn:
+        producer = conn.Producer()
+        bodies = [{"n": n} for n in range(450)]  # five statements of at most 100 rows
+        ids = publish_many(producer, bodies, routing_key="bounced", declare=[Queue("bounced")])
+        again = publish_many(producer, bodies[:150], routing_key="bounced")
+    assert len(ids) == 450 and len(again) == 150
+    with psycopg.connect(db_url, autocommit=True) as check:
+        rows = check.execute(
+            "SELECT count(*), count(DISTINCT xmin::text) FROM pgskip.jobs WHERE queue = 'bounced'"
+        ).fetchone()
+    assert rows == (600, 2)  # two calls, two transactions
