@@ -26,6 +26,8 @@
    the worker's process tree and all the database's client backends together (the publisher's,
    the worker's fetch, LISTEN and heartbeat connections; utime + stime from ``/proc``), and the
    time from just before each ``apply_async`` to the task's start (p50, p99) in that stream.
+   ``--e2e-workers N`` runs N such workers on the one queue (every notification then wakes all
+   of them; their CPU is summed).
 
 It runs its own EmbeddedPostgres (fsync on) with ``pg_stat_statements`` preloaded.
 """
@@ -253,8 +255,10 @@ def e2e_cpu(
     cooldowns: tuple[float, ...] = (0.0, 0.002, 0.005),
     rounds: int = 3,
     n: int = 3000,
+    workers: int = 1,
 ) -> dict[str, Any]:
-    """Per task, end to end: fetch statements and CPU of every process, by ``fetch_cooldown``."""
+    """Per task, end to end: fetch statements and CPU of every process, by ``fetch_cooldown``;
+    ``workers`` worker processes on the one queue."""
 
     def cpu_s(pid: int) -> float:
         try:
@@ -266,7 +270,7 @@ def e2e_cpu(
     for _ in range(rounds):
         for cooldown in cooldowns:
             b = dataclasses.replace(broker, transport_options={"fetch_cooldown": cooldown})
-            with idle_worker(b, "e2ecpu") as (app, stamps, worker):
+            with idle_worker(b, "e2ecpu", workers) as (app, stamps, worker):
                 if not warm_up(app, stamps):
                     raise RuntimeError(f"worker did not start: {worker.log_tail()}")
                 task = app.tasks["bench.noop"]
@@ -279,7 +283,9 @@ def e2e_cpu(
                         " AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
                     )
                 ]
-                tree = [worker.pid, *descendants(worker.pid)]
+                tree = [
+                    pid for w in (worker, *worker.others) for pid in (w.pid, *descendants(w.pid))
+                ]
                 _reset(admin)
                 c0, w0 = time.process_time(), sum(cpu_s(p) for p in tree)
                 b0 = sum(cpu_s(p) for p in backends)
@@ -309,7 +315,7 @@ def e2e_cpu(
                 }
                 samples[cooldown].append(row)
                 log(f"e2e cpu, fetch_cooldown={cooldown}: {row['rate']:.0f} tasks/s")
-    out: dict[str, Any] = {"rounds": rounds, "tasks": n}
+    out: dict[str, Any] = {"rounds": rounds, "tasks": n, "worker_processes": workers}
     for cooldown, rows in samples.items():
         out[f"fetch_cooldown={cooldown}"] = {
             key: round(float(median(r[key] for r in rows if key in r) or 0.0), 2) for key in rows[0]
@@ -349,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--e2e-cpu", action="store_true", help="only end-to-end CPU and fetches per task (part 5)"
     )
+    parser.add_argument(
+        "--e2e-workers", type=int, default=1, help="worker processes for --e2e-cpu (one queue)"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -384,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.fetch_plans:
                 report["fetch_plans"] = fetch_plans(url)
             if args.e2e_cpu:
-                report["e2e_cpu"] = e2e_cpu(broker, conn)
+                report["e2e_cpu"] = e2e_cpu(broker, conn, workers=args.e2e_workers)
             conn.close()
             return _write(out, report)
 

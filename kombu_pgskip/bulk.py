@@ -24,8 +24,8 @@ What is written is exactly what the same ``publish``/``apply_async`` calls would
 by one (they *are* those calls; only the INSERT is deferred): same headers, properties, routing,
 priorities, ETAs (far ones stored as ``scheduled``), signals. ``publish_many`` makes the full call
 for its first body only: the options are the same for every body, so each further body is
-serialized as ``publish`` would and spliced into the first message's row (about half the
-per-message cost). The difference is atomicity and cost:
+serialized as ``publish`` would and spliced into the first message's row, and the rows go down a
+pipeline a hundred at a time while the next are built. The difference is atomicity and cost:
 all messages become visible together at the commit, or none does (an exception inside the block,
 or a failing statement, writes nothing), and the commit (an fsync) is paid once.
 
