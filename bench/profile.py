@@ -22,7 +22,8 @@
 5. End to end, where the CPU goes (``--e2e-cpu`` runs only this): an idle ``-P threads -c 4``
    worker, one publisher calling ``apply_async`` 3,000 times back to back, for each
    ``fetch_cooldown`` in turn (0, 0.002, 0.005; rounds alternate): the rate, the worker's
-   ``ack_fetch`` statements per task (``pg_stat_statements``) and CPU per task of the publisher,
+   ``ack_fetch`` statements per task and the share of them that took nothing
+   (``pg_stat_statements``), CPU per task of the publisher,
    the worker's process tree and all the database's client backends together (the publisher's,
    the worker's fetch, LISTEN and heartbeat connections; utime + stime from ``/proc``), and the
    time from just before each ``apply_async`` to the task's start (p50, p99) in that stream.
@@ -301,12 +302,18 @@ def e2e_cpu(
                 c1, w1 = time.process_time(), sum(cpu_s(p) for p in tree)
                 b1 = sum(cpu_s(p) for p in backends)
                 fetches = admin.execute(
-                    "SELECT coalesce(sum(calls), 0) FROM pg_stat_statements"
+                    "SELECT coalesce(sum(calls), 0), coalesce(sum(rows), 0) FROM pg_stat_statements"
                     " WHERE query LIKE 'WITH acked AS%%'"
                 ).fetchone()
                 row = {
                     "rate": n / (last - t0),
                     "fetches_per_task": float(fetches[0] if fetches else 0) / n,
+                    # ack_fetch returns one row per message taken, and one message-less row
+                    # when nothing was due: each task is taken once, the rest are empty fetches.
+                    "empty_fetch_share": max(0.0, float(fetches[1]) - n)
+                    / max(1.0, float(fetches[0]))
+                    if fetches
+                    else 0.0,
                     "publisher_cpu_us": 1e6 * (c1 - c0) / n,
                     "worker_cpu_us": 1e6 * (w1 - w0) / n,
                     "backends_cpu_us": 1e6 * (b1 - b0) / n,
