@@ -88,7 +88,7 @@ def worker_side(
 def end_to_end(broker: Broker, *, n: int, timeout: float) -> dict[str, Any]:
     """An idle worker (``-P threads -c 4``); one publisher sends ``n`` tasks back to back."""
     broker.reset()
-    with idle_worker(broker, "e2e") as (app, stamps, worker):
+    with idle_worker(broker, "e2e") as (app, stamps, (worker,)):
         if not warm_up(app, stamps):
             return {"error": "worker did not start", "worker_log": worker.log_tail()}
         task = app.tasks["bench.noop"]

@@ -271,9 +271,9 @@ def e2e_cpu(
     for _ in range(rounds):
         for cooldown in cooldowns:
             b = dataclasses.replace(broker, transport_options={"fetch_cooldown": cooldown})
-            with idle_worker(b, "e2ecpu", workers) as (app, stamps, worker):
+            with idle_worker(b, "e2ecpu", workers) as (app, stamps, started):
                 if not warm_up(app, stamps):
-                    raise RuntimeError(f"worker did not start: {worker.log_tail()}")
+                    raise RuntimeError(f"worker did not start: {started[0].log_tail()}")
                 task = app.tasks["bench.noop"]
                 task.apply_async(kwargs={"i": -1})
                 time.sleep(1.0)
@@ -284,9 +284,7 @@ def e2e_cpu(
                         " AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
                     )
                 ]
-                tree = [
-                    pid for w in (worker, *worker.others) for pid in (w.pid, *descendants(w.pid))
-                ]
+                tree = [pid for w in started for pid in (w.pid, *descendants(w.pid))]
                 _reset(admin)
                 c0, w0 = time.process_time(), sum(cpu_s(p) for p in tree)
                 b0 = sum(cpu_s(p) for p in backends)

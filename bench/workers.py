@@ -102,7 +102,6 @@ class Worker:
         self.name = f"{name}-{uuid.uuid4().hex[:6]}"
         self.log_path = (log_dir or stamps.path) / f"worker-{self.name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.others: list[Worker] = []  # more workers on the same queue (idle_worker)
 
     def argv(self) -> list[str]:
         return [
@@ -190,10 +189,10 @@ def publisher_app(broker: Broker, queue: str) -> Any:
 @contextlib.contextmanager
 def idle_worker(
     broker: Broker, tag: str, processes: int = 1
-) -> Iterator[tuple[Any, StampDir, Worker]]:
-    """A started ``-P threads -c 4`` worker (``processes`` of them, on one queue) and a
+) -> Iterator[tuple[Any, StampDir, list[Worker]]]:
+    """Started ``-P threads -c 4`` workers (``processes`` of them, on one queue) and a
     publisher app for that queue (the caller checks :func:`warm_up`); stopped, cleaned up and
-    the queue deleted on exit. Yields the first worker; ``worker.others`` holds the rest."""
+    the queue deleted on exit."""
     queue = new_queue(tag)
     app = publisher_app(broker, queue)
     stamps = StampDir()
@@ -201,11 +200,10 @@ def idle_worker(
         Worker(broker, queue, stamps, pool="threads", concurrency=4, name=f"{tag}{k}")
         for k in range(processes)
     ]
-    workers[0].others = workers[1:]
     try:
         for worker in workers:
             worker.start()
-        yield app, stamps, workers[0]
+        yield app, stamps, workers
     finally:
         stop_all(workers)
         stamps.cleanup()

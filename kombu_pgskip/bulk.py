@@ -46,7 +46,7 @@ from celery.canvas import Signature, maybe_signature
 from celery.result import AsyncResult
 
 from . import exceptions
-from .envelope import Rebodied
+from .envelope import Rebodied, describe_destination
 from .publish import _check_options, _enqueue_on, _refuse_chords
 from .transport import Channel, _Collected
 
@@ -144,12 +144,10 @@ class _Like:
     def __init__(
         self, producer: Any, channel: Channel, first: _Collected, options: dict[str, Any]
     ) -> None:
-        if first.exchange is None:
-            destination = f"queue {first.row.queue!r}"
-        else:
-            destination = f"exchange {first.exchange!r}"
         self.rows = Rebodied(
-            first.row, destination, max_message_size=channel.options.max_message_size
+            first.row,
+            describe_destination(queue=first.row.queue, exchange=first.exchange),
+            max_message_size=channel.options.max_message_size,
         )
         self.first = first
         self.prepare = producer._prepare  # kombu's serialization (and compression) of a body

@@ -106,7 +106,7 @@ def to_row(
     validate_queue_name(queue)
     return _row(
         queue,
-        f"queue {queue!r}",
+        describe_destination(queue=queue),
         message,
         eta_threshold=eta_threshold,
         max_message_size=max_message_size,
@@ -129,12 +129,17 @@ def to_routed_row(
     """
     return _row(
         "",
-        f"exchange {exchange!r}",
+        describe_destination(exchange=exchange),
         message,
         eta_threshold=eta_threshold,
         max_message_size=max_message_size,
         now=now,
     )
+
+
+def describe_destination(*, queue: str = "", exchange: str | None = None) -> str:
+    """Where a message goes, as errors name it: its exchange if it has one, else its queue."""
+    return f"queue {queue!r}" if exchange is None else f"exchange {exchange!r}"
 
 
 def _row(
@@ -212,17 +217,7 @@ class Rebodied:
         payload = f"{self._head}{encoded}{self._middle}{dumps(delivery_tag)}{self._tail}"
         if len(payload) > self.max_message_size:
             raise _too_large(len(payload), self.destination, self.max_message_size)
-        row = self.row
-        return NewMessage(
-            row.queue,
-            row.priority,
-            row.status,
-            row.run_at,
-            payload,
-            row.task_name,
-            row.task_id,
-            row.ttl_ms,
-        )
+        return self.row.to(self.row.queue, payload)
 
 
 def _refuse_nul(payload: str) -> None:

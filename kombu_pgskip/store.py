@@ -56,14 +56,15 @@ class NewMessage:
     task_id: str | None
     ttl_ms: int | None
 
-    def to(self, queue: str) -> NewMessage:
-        """This message for ``queue`` (faster than ``dataclasses.replace``)."""
+    def to(self, queue: str, payload: str | None = None) -> NewMessage:
+        """This message for ``queue``, with another ``payload`` if given (faster than
+        ``dataclasses.replace``)."""
         return NewMessage(
             queue,
             self.priority,
             self.status,
             self.run_at,
-            self.payload,
+            self.payload if payload is None else payload,
             self.task_name,
             self.task_id,
             self.ttl_ms,
