@@ -21,14 +21,15 @@
    batch) from a table of 60,000 pending rows; medians of 5 alternating rounds.
 5. End to end, where the CPU goes (``--e2e-cpu`` runs only this): an idle ``-P threads -c 4``
    worker, one publisher calling ``apply_async`` 3,000 times back to back, for each
-   ``fetch_cooldown`` in turn (0, 0.002, 0.005; rounds alternate): the rate, the worker's
-   ``ack_fetch`` statements per task and the share of them that took nothing
-   (``pg_stat_statements``), CPU per task of the publisher,
-   the worker's process tree and all the database's client backends together (the publisher's,
-   the worker's fetch, LISTEN and heartbeat connections; utime + stime from ``/proc``), and the
-   time from just before each ``apply_async`` to the task's start (p50, p99) in that stream.
-   ``--e2e-workers N`` runs N such workers on the one queue (every notification then wakes all
-   of them; their CPU is summed).
+   ``fetch_cooldown`` in turn (fixed at 0, 0.002 and 0.005, and the default 0.002 adapting up to
+   ``fetch_cooldown_max`` 0.02; ``--e2e-cooldowns`` picks others; rounds alternate): the rate,
+   the worker's ``ack_fetch`` statements per task and the share of them that took nothing
+   (``pg_stat_statements``), CPU per task of the publisher, the worker's process tree and all
+   the database's client backends together (the publisher's, the worker's fetch, LISTEN and
+   heartbeat connections; utime + stime from ``/proc``), and the time from just before each
+   ``apply_async`` to the task's start (p50, p99) in that stream. ``--e2e-workers N`` runs N
+   such workers on the one queue (every notification then wakes all of them; their CPU is
+   summed).
 
 It runs its own EmbeddedPostgres (fsync on) with ``pg_stat_statements`` preloaded.
 """
@@ -249,17 +250,21 @@ def fetch_plans(url: str, *, rounds: int = 5) -> dict[str, Any]:
     return out
 
 
+# (fetch_cooldown, fetch_cooldown_max): fixed at 0, 2 ms and 5 ms, and the default.
+E2E_COOLDOWNS = ((0.0, 0.0), (0.002, 0.002), (0.005, 0.005), (0.002, 0.02))
+
+
 def e2e_cpu(
     broker: Broker,
     admin: psycopg.Connection[Any],
     *,
-    cooldowns: tuple[float, ...] = (0.0, 0.002, 0.005),
+    cooldowns: tuple[tuple[float, float], ...] = E2E_COOLDOWNS,
     rounds: int = 3,
     n: int = 3000,
     workers: int = 1,
 ) -> dict[str, Any]:
-    """Per task, end to end: fetch statements and CPU of every process, by ``fetch_cooldown``;
-    ``workers`` worker processes on the one queue."""
+    """Per task, end to end: fetch statements and CPU of every process, by ``fetch_cooldown``
+    and ``fetch_cooldown_max``; ``workers`` worker processes on the one queue."""
 
     def cpu_s(pid: int) -> float:
         try:
@@ -267,10 +272,16 @@ def e2e_cpu(
         except OSError:
             return 0.0
 
-    samples: dict[float, list[dict[str, float]]] = {c: [] for c in cooldowns}
+    samples: dict[tuple[float, float], list[dict[str, float]]] = {c: [] for c in cooldowns}
     for _ in range(rounds):
         for cooldown in cooldowns:
-            b = dataclasses.replace(broker, transport_options={"fetch_cooldown": cooldown})
+            b = dataclasses.replace(
+                broker,
+                transport_options={
+                    "fetch_cooldown": cooldown[0],
+                    "fetch_cooldown_max": cooldown[1],
+                },
+            )
             with idle_worker(b, "e2ecpu", workers) as (app, stamps, started):
                 if not warm_up(app, stamps):
                     raise RuntimeError(f"worker did not start: {started[0].log_tail()}")
@@ -319,10 +330,10 @@ def e2e_cpu(
                     "publish_to_start_ms_p99": 1e3 * (percentile(waits, 99) or 0.0),
                 }
                 samples[cooldown].append(row)
-                log(f"e2e cpu, fetch_cooldown={cooldown}: {row['rate']:.0f} tasks/s")
+                log(f"e2e cpu, {_cooldown_name(cooldown)}: {row['rate']:.0f} tasks/s")
     out: dict[str, Any] = {"rounds": rounds, "tasks": n, "worker_processes": workers}
     for cooldown, rows in samples.items():
-        out[f"fetch_cooldown={cooldown}"] = {
+        out[_cooldown_name(cooldown)] = {
             key: round(float(median(r[key] for r in rows if key in r) or 0.0), 2) for key in rows[0]
         } | {"rates": [round(r["rate"]) for r in rows]}
     return out
@@ -340,6 +351,22 @@ def sample_message_json() -> str:
             "properties": {"delivery_mode": 2, "priority": 0, "body_encoding": "base64"},
         }
     )
+
+
+def _cooldown_name(cooldown: tuple[float, float]) -> str:
+    base, ceiling = cooldown
+    if ceiling <= base:
+        return f"fetch_cooldown={base}"
+    return f"fetch_cooldown={base}, fetch_cooldown_max={ceiling}"
+
+
+def _cooldowns(text: str) -> tuple[tuple[float, float], ...]:
+    """``0.002:0.02,0.005`` as ((0.002, 0.02), (0.005, 0.005))."""
+    out = []
+    for part in text.split(","):
+        base, _, ceiling = part.partition(":")
+        out.append((float(base), float(ceiling or base)))
+    return tuple(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,6 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--e2e-workers", type=int, default=1, help="worker processes for --e2e-cpu (one queue)"
+    )
+    parser.add_argument(
+        "--e2e-cooldowns",
+        type=_cooldowns,
+        default=E2E_COOLDOWNS,
+        help="fetch_cooldown[:fetch_cooldown_max],... for --e2e-cpu"
+        " (default 0,0.002,0.005,0.002:0.02)",
     )
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -398,7 +432,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.fetch_plans:
                 report["fetch_plans"] = fetch_plans(url)
             if args.e2e_cpu:
-                report["e2e_cpu"] = e2e_cpu(broker, conn, workers=args.e2e_workers)
+                report["e2e_cpu"] = e2e_cpu(
+                    broker, conn, workers=args.e2e_workers, cooldowns=args.e2e_cooldowns
+                )
             conn.close()
             return _write(out, report)
 

@@ -94,6 +94,11 @@ option                        default    meaning
                                          sent, so while tasks stream in one fetch takes the
                                          messages of that moment together; an idle worker
                                          fetches at once. 0: every notification fetches
+``fetch_cooldown_max``        0.02       the cooldown grows towards this while notified
+                                         fetches come back empty (other workers on the queue
+                                         took the message) and shrinks back to
+                                         ``fetch_cooldown`` while they take rows; at or below
+                                         ``fetch_cooldown``: a fixed cooldown
 ============================  =========  ==========================================================
 """
 
@@ -130,7 +135,7 @@ from .envelope import (
     to_row,
     validate_queue_name,
 )
-from .fetcher import AsyncFetcher
+from .fetcher import AsyncFetcher, Cooldown
 from .health import HorizonMonitor
 from .store import FetchedRow, NewMessage, Store, notify_channel, scheduled_channel
 from .urls import build_url, connect, mask_url, to_conninfo
@@ -170,6 +175,7 @@ class Options:
     xmin_horizon_warning: float = 300.0
     prepared_statements: bool = True
     fetch_cooldown: float = 0.002
+    fetch_cooldown_max: float = 0.02
 
     @property
     def connect_kwargs(self) -> dict[str, Any]:
@@ -221,7 +227,12 @@ class Options:
                 "transport options max_attempts and fetch_limit must be >= 1, "
                 f"max_message_size between 1024 and {MAX_MESSAGE_SIZE_LIMIT}"
             )
-        for name in ("eta_threshold", "xmin_horizon_warning", "fetch_cooldown"):
+        for name in (
+            "eta_threshold",
+            "xmin_horizon_warning",
+            "fetch_cooldown",
+            "fetch_cooldown_max",
+        ):
             if getattr(self, name) < 0:
                 raise exceptions.ConfigurationError(f"transport option {name} must be >= 0")
 
@@ -341,6 +352,7 @@ class Channel(virtual.Channel):
         self._fetcher: AsyncFetcher | None = None
         self._fetch_acks = 0  # acks sent with the fetch in flight
         self._sent_wake_seq = 0  # Transport._wake_seq when the fetch in flight was sent
+        self._notified_fetch = False  # whether a notification came before it was sent
         self._collected: list[_Collected] | None = None
         self._registered = False
         self._no_ack_queues: set[str] = set()
@@ -820,6 +832,9 @@ class Channel(virtual.Channel):
             if fetcher is not None:
                 fetcher.send(pairs, ack_queues, limit, self.consumer_id)
                 self._fetch_acks = len(pairs)
+                # Sent for a notification (one arrived since the previous fetch was sent):
+                # what it finds adapts the cooldown.
+                self._notified_fetch = self._sent_wake_seq != self.connection._wake_seq
                 self._sent_wake_seq = self.connection._wake_seq
                 self.connection._last_fetch = time.monotonic()
                 self.connection._watch_fetch(self, fetcher)
@@ -1195,6 +1210,7 @@ class Transport(virtual.Transport):
         # fetch_cooldown since then has passed.
         self._last_fetch = 0.0
         self._cooldown_queued = False
+        self._cooldown = Cooldown(self.options.fetch_cooldown, self.options.fetch_cooldown_max)
 
     def __repr__(self) -> str:
         return f"<pgskip Transport {mask_url(self.url)}>"
@@ -1568,13 +1584,18 @@ class Transport(virtual.Transport):
             self._loop.call_later(delay, self._async_drain)
         if queues:
             self._wake_seq += 1
-            wait = self._last_fetch + self.options.fetch_cooldown - time.monotonic()
-            if wait <= 0:
+            if self._cooldown_left() <= 0:
                 self._async_drain(queues)
-            elif not self._cooldown_queued:
-                # Messages are streaming in: one fetch for those of the next moment.
-                self._cooldown_queued = True
-                self._loop.call_later(wait, self._cooled_down)
+
+    def _cooldown_left(self) -> float:
+        """Seconds until a notified fetch may be sent (``fetch_cooldown`` after the previous
+        fetch was sent); while messages stream in, one fetch is set for then, to take those of
+        that moment together."""
+        wait = self._last_fetch + self._cooldown.value - time.monotonic()
+        if wait > 0 and not self._cooldown_queued and self._loop is not None:
+            self._cooldown_queued = True
+            self._loop.call_later(wait, self._cooled_down)
+        return wait
 
     def _cooled_down(self) -> None:
         self._cooldown_queued = False
@@ -1617,19 +1638,21 @@ class Transport(virtual.Transport):
         if result is None:
             return
         rows = channel._fetched_async(result)
+        if channel._notified_fetch:
+            self._cooldown.observe(len(rows))
         if channel.closed:  # closed meanwhile: never delivered
             if rows:
                 channel._settle("requeue", [make_tag(r.id, r.attempts) for r in rows])
             return
         for row in rows:
             self._deliver_row(channel, row)
-        if channel._more_due or (
-            channel._sent_wake_seq != self._wake_seq and not self._cooldown_queued
-        ):
-            # More may be due, or a notification arrived after the statement was sent (its
-            # message may have committed after the fetch's snapshot): fetch again (unless a
-            # fetch is already set for the end of fetch_cooldown).
-            self._queue_drain()
+        if channel._more_due:
+            self._queue_drain()  # the fetch filled its limit: more may be due now
+        elif channel._sent_wake_seq != self._wake_seq:
+            # A notification arrived after the statement was sent (its message may have
+            # committed after the fetch's snapshot): fetch again once cooled down.
+            if self._cooldown_left() <= 0:
+                self._queue_drain()
         elif channel._pending_acks:
             # Acks that came in during the fetch (their flush may have fired while it ran).
             self._queue_ack_flush()

@@ -433,3 +433,59 @@ def test_notifications_within_the_fetch_cooldown_share_one_fetch(
         assert len(received) == 4
         assert len(fetch_sends) == 2, "three notifications within the cooldown: one fetch"
         assert fetch_sends[1][0] - fetch_sends[0][0] >= 0.95
+
+
+def test_the_cooldown_grows_while_notified_fetches_find_nothing_and_shrinks_back(
+    db_url: str, fetch_sends: list[tuple[float, int]]
+) -> None:
+    """Another consumer takes each announced message first: this consumer's notified fetches
+    come back empty and its cooldown doubles up to ``fetch_cooldown_max``; once its fetches
+    take rows again it shrinks back to ``fetch_cooldown``. An empty fetch that no notification
+    asked for (a poll, an ack flush) leaves it alone."""
+    queue = Queue("adaptive", Exchange("adaptive"), "adaptive")
+    options = {"polling_interval": 30, "fetch_cooldown": 0.01, "fetch_cooldown_max": 0.08}
+    with (
+        Connection(_broker(db_url), transport_options=options) as conn,
+        Connection(_broker(db_url)) as other,
+        _consuming_on_a_hub(conn, queue, 10) as (channel, received, hub),
+    ):
+        cooldown = conn.transport._cooldown
+
+        def settled() -> bool:
+            return channel._fetcher is not None and not channel._fetcher.in_flight
+
+        _run_until(hub, settled)
+        _publish(other, queue, 0)  # declares the queue on the other connection
+        values = []
+        for _ in range(4):
+            sent = len(fetch_sends)
+            _publish(other, queue, 1)
+            taken = other.default_channel.basic_get(queue.name)  # before this loop reads
+            assert taken is not None
+            taken.ack()
+            _run_until(hub, lambda sent=sent: len(fetch_sends) > sent and settled())
+            values.append(cooldown.value)
+        assert received == []
+        assert values == [0.02, 0.04, 0.08, 0.08], "doubled per empty notified fetch, capped"
+
+        conn.transport._async_drain()  # a fetch no notification asked for, finding nothing
+        _run_until(hub, settled)
+        assert cooldown.value == 0.08
+
+        _publish(other, queue, 2)  # two notifications within the grown cooldown: one fetch
+        _run_until(hub, lambda: len(received) == 2)
+        assert len(received) == 2
+        for message in received:
+            message.ack()
+        sends = [t for t, _ in fetch_sends]
+        assert sends[-1] - sends[-2] >= 0.075, "the second waited out the grown cooldown"
+        shrinking = [cooldown.value]
+        for i in range(25):
+            time.sleep(0.09)  # past the cooldown: each notification fetches at once
+            _publish(other, queue, 1)
+            _run_until(hub, lambda i=i: len(received) == 3 + i)
+            received[-1].ack()  # within the prefetch window
+            shrinking.append(cooldown.value)
+        assert len(received) == 27
+        assert shrinking == sorted(shrinking, reverse=True) and shrinking[0] < 0.08
+        assert shrinking[-1] == 0.01, "back to fetch_cooldown while fetches take rows"

@@ -16,6 +16,7 @@ from kombu_pgskip.envelope import (
     to_row,
     validate_queue_name,
 )
+from kombu_pgskip.fetcher import Cooldown
 from kombu_pgskip.transport import Options
 from kombu_pgskip.urls import build_url, mask_url, to_conninfo
 
@@ -164,6 +165,7 @@ def test_options_defaults_and_coercion() -> None:
         {"polling_interval": "soon"},
         {"schema": ""},
         {"fetch_cooldown": -0.001},
+        {"fetch_cooldown_max": -1},
     ],
 )
 def test_invalid_options_raise_configuration_error(options: dict[str, object]) -> None:
@@ -177,3 +179,22 @@ def test_prepared_statements_off_disables_psycopg_statement_preparation() -> Non
     assert Options().connect_kwargs == {"connect_timeout": 10.0}
     opts = Options.from_transport_options({"prepared_statements": "false"})
     assert opts.connect_kwargs == {"connect_timeout": 10.0, "prepare_threshold": None}
+
+
+def test_cooldown_doubles_on_empty_fetches_and_shrinks_to_base_on_rows() -> None:
+
+    c = Cooldown(0.002, 0.02)
+    for expected in (0.004, 0.008, 0.016, 0.02, 0.02):
+        c.observe(0)
+        assert c.value == pytest.approx(expected)
+    c.observe(3)
+    assert c.value == pytest.approx(0.018)
+    for _ in range(40):
+        c.observe(1)
+    assert c.value == 0.002
+    off = Cooldown(0.0, 0.02)  # fetch_cooldown=0: every notification fetches, always
+    off.observe(0)
+    assert off.value == 0.0
+    fixed = Cooldown(0.005, 0.001)  # a ceiling below the base: fixed at the base
+    fixed.observe(0)
+    assert fixed.value == 0.005
