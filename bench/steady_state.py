@@ -1,7 +1,8 @@
 """Staying small: many messages through pgskip's jobs table with retention pruning on.
 
 Producer: the bench keeps 5,000-20,000 messages pending by bulk ``INSERT ... SELECT`` of a real
-Celery payload (kombu-pgskip has no bulk publish yet). Consumers: two processes running the
+Celery payload (one statement per 15,000, cheaper for the bench's own process than
+``publish_many``, so that the consumers set the rate). Consumers: two processes running the
 transport's own ``fetch`` (100 at a time) and ``ack`` statements (``Store.fetch`` /
 ``Store.ack``, one ack statement per batch), bypassing kombu so that a million messages take
 minutes, not an hour. Pruning: the schema's ``prune()`` function every 2 seconds with the given

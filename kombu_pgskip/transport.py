@@ -76,9 +76,11 @@ option                        default    meaning
                                          own with ``synchronous_commit = off`` (a server crash
                                          can redeliver, never lose); True behind PgBouncer in
                                          transaction pooling
-``async_fetch``               True       inside Celery's event loop, fetch on a connection of
-                                         its own without blocking the loop (rows are delivered
-                                         when the reply arrives)
+``async_fetch``               True       fetch on a connection of its own (the statement
+                                         prepared once, with a generic plan); inside Celery's
+                                         event loop without blocking the loop (rows are
+                                         delivered when the reply arrives). False: on the
+                                         consumer connection, waiting for the reply
 ``durable_publish``           True       False: publishes commit with ``synchronous_commit =
                                          off`` (faster; a PostgreSQL crash can lose publishes
                                          acknowledged in the last ~0.6 s; opt-in only)
@@ -804,7 +806,8 @@ class Channel(virtual.Channel):
         if not self._consumers or not self._active_queues:
             self.flush_acks()
             return []
-        fetcher = self._async_fetcher()
+        fetcher = self._own_fetcher()
+        looped = fetcher is not None and self.connection._loop is not None
         if fetcher is not None and fetcher.in_flight:
             return []  # acks wait for the next fetch; the reply brings this one's rows
         credit = self.qos.can_consume_max_estimate()
@@ -825,11 +828,11 @@ class Channel(virtual.Channel):
         ack_queues = [q for q in queues if q not in self._no_ack_queues]
         noack_queues = [q for q in queues if q in self._no_ack_queues]
         out: list[FetchedRow] = []
-        if noack_queues:  # never with an async fetcher (see _async_fetcher)
+        if noack_queues:  # never with a fetcher of its own (see _own_fetcher)
             out += self.consumer_store.fetch(noack_queues, limit, self.consumer_id, no_ack=True)
         if ack_queues and len(out) < limit:
             pairs = self._take_acks()
-            if fetcher is not None:
+            if fetcher is not None and looped:
                 fetcher.send(pairs, ack_queues, limit, self.consumer_id)
                 self._fetch_acks = len(pairs)
                 # Sent for a notification (one arrived since the previous fetch was sent):
@@ -839,9 +842,16 @@ class Channel(virtual.Channel):
                 self.connection._last_fetch = time.monotonic()
                 self.connection._watch_fetch(self, fetcher)
                 return []  # the rows arrive with the reply (Transport._on_fetch_readable)
-            done, rows = self.consumer_store.ack_fetch(
-                pairs, ack_queues, limit - len(out), self.consumer_id
-            )
+            if fetcher is not None:
+                # Outside an event loop (kombu's blocking drain_events): the same statement
+                # on the fetcher's connection, waited for here.
+                fetcher.send(pairs, ack_queues, limit, self.consumer_id)
+                result = fetcher.wait()
+                done, rows = (0, []) if result is None else result[:2]
+            else:
+                done, rows = self.consumer_store.ack_fetch(
+                    pairs, ack_queues, limit - len(out), self.consumer_id
+                )
             self._acks_written(len(pairs), done)
             out += rows
         else:
@@ -849,13 +859,14 @@ class Channel(virtual.Channel):
         self._more_due = self._starved = len(out) >= limit
         return out
 
-    def _async_fetcher(self) -> AsyncFetcher | None:
-        """The non-blocking fetcher, when this channel is consumed from an event loop (a
-        channel with no-ack consumers, remote control, keeps the plain path)."""
+    def _own_fetcher(self) -> AsyncFetcher | None:
+        """The channel's fetcher: ``ack_fetch`` on a connection of its own, prepared once with
+        a generic plan. From an event loop it is sent without waiting; from kombu's blocking
+        ``drain_events`` it is waited for. None (``consumer_store`` fetches) with
+        ``async_fetch=False`` and for a channel with no-ack consumers (remote control)."""
         transport = self.connection
         if (
             transport is None
-            or transport._loop is None
             or not self.options.async_fetch
             or self._no_ack_queues
             or not self.owned_by_this_process

@@ -136,6 +136,45 @@ def test_blocking_consumer_acks_ride_along_with_the_next_fetch(db_url: str) -> N
         assert _statuses(db_url) == ["completed"] * 3
 
 
+def test_a_blocking_consumer_fetches_on_a_connection_of_its_own_with_the_generic_plan(
+    db_url: str,
+) -> None:
+    """Outside an event loop (kombu's blocking ``drain_events``, ``ConsumerMixin``) the fetch
+    runs as in Celery's worker: ``ack_fetch`` prepared once on the channel's fetch connection
+    and its generic plan reused, not planned afresh for every batch. With
+    ``async_fetch=False`` the consumer connection fetches, as before."""
+    queue = Queue("blockingown", Exchange("blockingown"), "blockingown")
+    for options, own in (({}, True), ({"async_fetch": False}, False)):
+        with Connection(_broker(db_url), transport_options=options) as conn:
+            _publish(conn, queue, 8)
+            received: list[Any] = []
+
+            def take(body: Any, message: Any, received: list[Any] = received) -> None:
+                received.append(body)
+                message.ack()
+
+            channel = conn.channel()
+            Consumer(channel, [queue], callbacks=[take], prefetch_count=1).consume()
+            while len(received) < 8:
+                conn.drain_events(timeout=5)
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.2)  # writes the last ack
+            assert [b["i"] for b in received] == list(range(8))
+            assert _statuses(db_url) == ["completed"] * 8
+            fetcher = channel._fetcher
+            if not own:
+                assert fetcher is None
+                continue
+            assert fetcher is not None and fetcher._conn is not None
+            row = fetcher._conn.execute(
+                "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+                " WHERE name = 'pgskip_ack_fetch'"
+            ).fetchone()
+            assert row is not None and row[0] >= 8 and row[1] == 0, row
+        with psycopg.connect(db_url, autocommit=True) as c:
+            c.execute("DELETE FROM pgskip.jobs")
+
+
 def test_a_small_refill_waits_for_more_credit_on_an_event_loop(db_url: str) -> None:
     queue = Queue("refill", Exchange("refill"), "refill")
     # Synchronous fetches, so that each _async_drain call below has done its fetch on return.
