@@ -84,6 +84,34 @@ def test_prune_keeps_each_status_for_its_retention(db_url: str) -> None:
         assert old_done not in _statuses(conn) and old_failed not in _statuses(conn)
 
 
+def test_prune_reads_only_the_rows_it_deletes(db_url: str) -> None:
+    """prune() finds old completed rows through the jobs_completed index instead of reading
+    the whole table (a day of completed messages with the default retention)."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO pgskip.jobs (queue, status, payload, finished_at)"
+            " SELECT 'q', 'completed', '{}', now() - i * interval '1 second'"
+            " FROM generate_series(1, 20000) AS i"
+        )
+        conn.execute(
+            "INSERT INTO pgskip.jobs (queue, payload)"
+            " SELECT 'q', '{}' FROM generate_series(1, 5000)"
+        )
+        conn.execute("ANALYZE pgskip.jobs")
+        with conn.transaction():
+            row = conn.execute("SELECT * FROM pgskip.prune('19000 seconds', NULL)").fetchone()
+            scans = conn.execute(
+                "SELECT pg_stat_get_xact_numscans('pgskip.jobs_completed'::regclass),"
+                " pg_stat_get_xact_numscans('pgskip.jobs'::regclass)"
+            ).fetchone()
+        assert row is not None and 1000 <= row[0] <= 1010, row  # 1,000 and the clock's tick
+        assert scans == (1, 0), "one scan of jobs_completed, no sequential scan of jobs"
+        left = conn.execute(
+            "SELECT count(*) FILTER (WHERE status = 'completed'), count(*) FROM pgskip.jobs"
+        ).fetchone()
+        assert left == (20000 - row[0], 25000 - row[0])
+
+
 def test_maintenance_jobs_are_installed_idempotently_and_their_commands_work(
     db_url: str, pg_cron_database: str
 ) -> None:

@@ -44,6 +44,10 @@ def test_migrated_schema_has_the_queue_table_tuned_for_churn(empty_db_url: str) 
             r[0] for r in conn.execute("SELECT indexdef FROM pg_indexes WHERE tablename = 'jobs'")
         )
         assert "locked_at" not in indexed and "attempts" not in indexed
+        (indexdef,) = conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'jobs_completed'"
+        ).fetchone()  # type: ignore[misc]
+        assert "(finished_at) WHERE (status = 'completed'" in indexdef
 
 
 def test_dry_run_prints_sql_and_changes_nothing(empty_db_url: str) -> None:

@@ -1,0 +1,20 @@
+-- 0006_prune_index: prune() finds old completed rows through an index of their finish times.
+--
+-- prune() deletes "status = 'completed' AND finished_at < now() - retention", which no index
+-- served: every call read the whole table, at least a day of completed messages with the
+-- default retention, to delete the hour's worth that had come of age (755 ms per call on a
+-- table of a million messages in the steady-state benchmark, docs/performance.md). With this
+-- index a call reads only the rows it deletes.
+--
+-- The index holds completed rows only. Marking a row completed is never a HOT update (status
+-- is in the partial indexes' predicates), so the ack already writes an entry into every index
+-- whose predicate the new row version meets; this adds one small entry per ack, at the
+-- index's right-hand end (finish times only grow). No difference was measurable in the fetch
+-- and ack statements (18.9 against 19.2 us of server CPU per message, docs/performance.md).
+--
+-- CREATE INDEX blocks writes to jobs while it builds, which on a large table of completed
+-- messages can take a while. To avoid that, build the index beforehand, outside a transaction:
+--   CREATE INDEX CONCURRENTLY jobs_completed ON <schema>.jobs (finished_at)
+--       WHERE status = 'completed';
+-- and this migration keeps it.
+CREATE INDEX IF NOT EXISTS jobs_completed ON jobs (finished_at) WHERE status = 'completed';
