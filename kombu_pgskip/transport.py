@@ -809,7 +809,11 @@ class Channel(virtual.Channel):
         fetcher = self._own_fetcher()
         looped = fetcher is not None and self.connection._loop is not None
         if fetcher is not None and fetcher.in_flight:
-            return []  # acks wait for the next fetch; the reply brings this one's rows
+            if looped:
+                return []  # acks wait for the next fetch; the reply brings this one's rows
+            # A blocking wait for it was interrupted (a signal): its rows come first.
+            result = fetcher.wait()
+            return self._fetched_async(result) if result is not None else []
         credit = self.qos.can_consume_max_estimate()
         limit = self.options.fetch_limit
         if credit is not None:
@@ -846,12 +850,12 @@ class Channel(virtual.Channel):
                 # Outside an event loop (kombu's blocking drain_events): the same statement
                 # on the fetcher's connection, waited for here.
                 fetcher.send(pairs, ack_queues, limit, self.consumer_id)
+                self._fetch_acks = len(pairs)
                 result = fetcher.wait()
-                done, rows = (0, []) if result is None else result[:2]
-            else:
-                done, rows = self.consumer_store.ack_fetch(
-                    pairs, ack_queues, limit - len(out), self.consumer_id
-                )
+                return self._fetched_async(result) if result is not None else []
+            done, rows = self.consumer_store.ack_fetch(
+                pairs, ack_queues, limit - len(out), self.consumer_id
+            )
             self._acks_written(len(pairs), done)
             out += rows
         else:

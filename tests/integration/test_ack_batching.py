@@ -175,6 +175,27 @@ def test_a_blocking_consumer_fetches_on_a_connection_of_its_own_with_the_generic
             c.execute("DELETE FROM pgskip.jobs")
 
 
+def test_a_blocking_fetch_left_in_flight_is_delivered_by_the_next_drain(db_url: str) -> None:
+    """A signal that interrupts the wait for a blocking fetch leaves the statement in flight;
+    the next ``drain_events`` collects its rows instead of skipping the fetch for good."""
+    queue = Queue("interrupted", Exchange("interrupted"), "interrupted")
+    with Connection(_broker(db_url)) as conn:
+        _publish(conn, queue, 3)
+        received: list[Any] = []
+        channel = conn.channel()
+        Consumer(
+            channel, [queue], callbacks=[lambda body, m: received.append(body)], prefetch_count=10
+        ).consume()
+        fetcher = channel._own_fetcher()
+        assert fetcher is not None
+        channel._ensure_registered([queue.name])
+        # What a wait interrupted after the send leaves behind.
+        fetcher.send([], [queue.name], 10, channel.consumer_id)
+        conn.drain_events(timeout=5)
+        assert [b["i"] for b in received] == [0, 1, 2]
+        assert not fetcher.in_flight
+
+
 def test_a_small_refill_waits_for_more_credit_on_an_event_loop(db_url: str) -> None:
     queue = Queue("refill", Exchange("refill"), "refill")
     # Synchronous fetches, so that each _async_drain call below has done its fetch on return.
