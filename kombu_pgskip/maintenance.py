@@ -9,9 +9,11 @@ pg_cron job calling one SQL function of the schema):
     forgotten, due ``scheduled`` rows are promoted. Live workers do the same; this job covers
     the time when none runs. Also ``<schema>.expire_queues()`` where the schema has it.
 ``prune`` (hourly)
-    ``<schema>.prune(completed, failed)``: deletes ``completed`` rows finished more than
-    ``completed_retention`` ago (default 1 day) and ``failed`` rows older than
-    ``failed_retention`` (default 14 days; ``None`` keeps them), and old fired-slot records.
+    ``CALL <schema>.prune_in_batches(completed, failed)``: deletes ``completed`` rows finished
+    more than ``completed_retention`` ago (default 1 day), 10,000 per transaction so that no
+    long transaction holds vacuum back, then ``failed`` rows older than ``failed_retention``
+    (default 14 days; ``None`` keeps them) and old fired-slot records. (``<schema>.prune()``,
+    one transaction, on a schema from before migration 0007.)
 ``cron-history`` (daily, in pg_cron's database)
     deletes this schema's jobs' rows of ``cron.job_run_details`` older than
     ``cron_history_retention`` (default 7 days): pg_cron logs every run, 1,440 a day per
@@ -120,6 +122,21 @@ def parse_duration(value: Any, what: str = "duration") -> timedelta | None:
     return result
 
 
+def _has_routine(conn: Connection, schema: str, signature: str) -> bool:
+    row = conn.execute(
+        queries_in("periodic.sql", schema)["has_routine"],
+        {"signature": sql.SQL("{}.").format(sql.Identifier(schema)).as_string(conn) + signature},
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def _has_batches(conn: Connection, schema: str) -> bool:
+    """Whether the schema has prune_in_batches() (migration 0007)."""
+    return _has_routine(
+        conn, schema, "prune_in_batches(interval, interval, integer, bigint, bigint, bigint)"
+    )
+
+
 def _interval_literal(delta: timedelta) -> str:
     text = f"{delta.total_seconds():.6f}".rstrip("0").rstrip(".")
     return f"{text} seconds"
@@ -137,11 +154,7 @@ def maintenance_jobs(
     prefix = cron.job_prefix(server.app_database, schema)
     jobs: list[cron.Job] = []
     sweep = sql.SQL("SELECT {}.sweep({})").format(ident, sql.Literal(config.max_attempts))
-    has_expire = app_conn.execute(
-        queries_in("periodic.sql", schema)["has_expire_queues"],
-        {"signature": sql.SQL("{}.expire_queues()").format(ident).as_string(app_conn)},
-    ).fetchone()
-    if has_expire and has_expire[0]:
+    if _has_routine(app_conn, schema, "expire_queues()"):
         sweep = sql.SQL("{}; SELECT {}.expire_queues()").format(sweep, ident)
     jobs.append(
         cron.Job(
@@ -149,7 +162,13 @@ def maintenance_jobs(
         )
     )
     if config.completed_retention is not None or config.failed_retention is not None:
-        prune = sql.SQL("SELECT {}.prune({}::interval, {}::interval)").format(
+        # A lone CALL: pg_cron runs it outside a transaction block, so it can commit.
+        template = (
+            "CALL {}.prune_in_batches({}::interval, {}::interval)"
+            if _has_batches(app_conn, schema)
+            else "SELECT {}.prune({}::interval, {}::interval)"
+        )
+        prune = sql.SQL(template).format(
             ident,
             sql.Literal(
                 None
@@ -220,7 +239,7 @@ def run_once(url: str, schema: str, config: MaintenanceConfig) -> dict[str, int]
     with connect(url) as conn:
         sweep = conn.execute(q["sweep"], {"max_attempts": config.max_attempts}).fetchone()
         prune = conn.execute(
-            q["prune"],
+            q["prune_in_batches" if _has_batches(conn, schema) else "prune"],
             {
                 "completed_after": config.completed_retention,
                 "failed_after": config.failed_retention,

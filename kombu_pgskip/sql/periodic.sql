@@ -89,10 +89,13 @@ SELECT {schema}.fire_due(COALESCE(%(now)s::timestamptz, now()), %(lookahead)s::i
 -- sweep: return dead consumers' rows, promote due scheduled rows (what the sweep job runs)
 SELECT requeued, failed, consumers_forgotten, promoted FROM {schema}.sweep(%(max_attempts)s);
 
--- prune: delete old completed and failed rows (what the prune job runs)
+-- prune: delete old completed and failed rows in one transaction (schemas before 0007)
 SELECT completed, failed, slots FROM {schema}.prune(%(completed_after)s::interval, %(failed_after)s::interval);
 
--- has_expire_queues: does the schema have expire_queues() (queue x-expires)
+-- prune_in_batches: the same, committing after each batch of completed rows (what the prune job runs); a statement of its own, outside any transaction block
+CALL {schema}.prune_in_batches(%(completed_after)s::interval, %(failed_after)s::interval);
+
+-- has_routine: does the schema have this function or procedure (expire_queues(), prune_in_batches())
 SELECT to_regprocedure(%(signature)s) IS NOT NULL;
 
 -- failed_list: failed messages matching the filters, oldest failure first

@@ -1,5 +1,6 @@
 """End to end without celery beat: `celery -A beatapp pgskip beat-sync`, then a real pg_cron tick
-inserts the message and a real `celery worker` runs it.
+inserts the message and a real `celery worker` runs it; in the same tick the maintenance prune
+job (every minute here) runs its `CALL`, which commits after each batch.
 
 pg_cron 1.4 ticks on the minute, so this waits up to about 70 seconds.
 """
@@ -10,11 +11,12 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import psycopg
 import pytest
 
-from kombu_pgskip.maintenance import remove_all_jobs
+from kombu_pgskip.maintenance import MaintenanceConfig, install, remove_all_jobs
 from tests.acceptance.conftest import APPS_DIR, wait_until
 from tests.helpers import REPO_ROOT, CeleryWorker, make_url
 
@@ -28,6 +30,18 @@ def _beat_runs(db_url: str) -> list[tuple[str, str]]:
             "SELECT hostname, event FROM test_runs WHERE key = 'tick' ORDER BY id"
         ).fetchall()
     return [(str(r[0]), str(r[1])) for r in rows]
+
+
+def _last_run(db_url: str, pg_cron_database: str, jobname: str) -> tuple[str, str] | None:
+    """(status, return message) of the job's latest finished run, if any."""
+    with psycopg.connect(make_url(db_url, pg_cron_database)) as conn:
+        row = conn.execute(
+            "SELECT d.status, d.return_message FROM cron.job_run_details AS d"
+            " JOIN cron.job AS j USING (jobid) WHERE j.jobname = %s"
+            " AND d.status IN ('succeeded', 'failed') ORDER BY d.start_time DESC LIMIT 1",
+            (jobname,),
+        ).fetchone()
+    return None if row is None else (str(row[0]), str(row[1]))
 
 
 def test_a_real_pg_cron_tick_sends_a_message_a_real_worker_runs(
@@ -44,6 +58,17 @@ def test_a_real_pg_cron_tick_sends_a_message_a_real_worker_runs(
         assert sync.returncode == 0, sync.stdout + sync.stderr
         assert "+ every-minute: beatapp.record crontab(* * * * *)" in sync.stdout
         assert f"pgskip:{dbname}:pgskip:fire installed" in sync.stdout
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            old = conn.execute(
+                "INSERT INTO pgskip.jobs (queue, status, payload, finished_at)"
+                " VALUES ('done', 'completed', '{}', now() - interval '2 hours') RETURNING id"
+            ).fetchone()
+        prune_job = f"pgskip:{dbname}:pgskip:prune"
+        config = MaintenanceConfig(
+            prune_schedule="* * * * *", completed_retention=timedelta(hours=1)
+        )
+        (change,) = install(db_url, "pgskip", config)  # beat-sync installed it hourly
+        assert change.startswith(f"pg_cron job {prune_job} updated: '* * * * *' runs CALL ")
 
         synced_at = time.time()
         with CeleryWorker("beatapp", broker_url, cwd=APPS_DIR,
@@ -67,5 +92,17 @@ def test_a_real_pg_cron_tick_sends_a_message_a_real_worker_runs(
                 (f"pgskip:{dbname}:pgskip:fire",),
             ).fetchone()
         assert status == ("succeeded",)
+
+        wait_until(
+            lambda: _last_run(db_url, pg_cron_database, prune_job) is not None,
+            timeout=95,
+            what="a pg_cron run of the prune job",
+        )
+        run = _last_run(db_url, pg_cron_database, prune_job)
+        assert run is not None and run[0] == "succeeded", run
+        with psycopg.connect(db_url) as conn:
+            assert old is not None
+            gone = conn.execute("SELECT id FROM pgskip.jobs WHERE id = %s", old).fetchone()
+        assert gone is None, "the old completed message was pruned"
     finally:
         remove_all_jobs(db_url, "pgskip")

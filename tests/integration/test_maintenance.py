@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
+import pytest
 from click.testing import CliRunner
 
 from kombu_pgskip import cron
@@ -112,6 +113,40 @@ def test_prune_reads_only_the_rows_it_deletes(db_url: str) -> None:
         assert left == (20000 - row[0], 25000 - row[0])
 
 
+def test_prune_in_batches_commits_after_each_batch(db_url: str) -> None:
+    """The prune job's procedure deletes completed rows ``batch`` at a time, each batch in a
+    transaction of its own (no long transaction holding vacuum back), then failed rows; it
+    refuses to run inside a transaction block, where it could not commit."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO pgskip.jobs (queue, status, payload, finished_at)"
+            " SELECT 'q', 'completed', '{}', now() - i * interval '1 minute'"
+            " FROM generate_series(1, 1000) AS i"
+        )
+        old_failed = _job(conn, "failed", finished_ago=timedelta(days=20))
+        kept = _job(conn, "completed", finished_ago=timedelta(minutes=30))
+
+        def xid() -> int:
+            row = conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()
+            assert row is not None
+            return int(row[0])
+
+        before = xid()
+        row = conn.execute("CALL pgskip.prune_in_batches('100 minutes', '14 days', 100)").fetchone()
+        transactions = xid() - before - 1
+        assert row is not None and 900 <= row[0] <= 905 and row[1:] == (1, 0), row
+        assert transactions >= 10, "nine full batches and the last, each committed"
+        statuses = _statuses(conn)
+        assert old_failed not in statuses and kept in statuses
+        assert conn.execute(
+            "SELECT count(*) FROM pgskip.jobs WHERE finished_at < now() - interval '101 minutes'"
+        ).fetchone() == (0,)
+        with pytest.raises(psycopg.errors.InvalidTransactionTermination), conn.transaction():
+            conn.execute("CALL pgskip.prune_in_batches('1 minute', NULL, 10)")
+        with pytest.raises(psycopg.errors.RaiseException, match="batch must be a positive"):
+            conn.execute("CALL pgskip.prune_in_batches('1 minute', NULL, 0)")
+
+
 def test_maintenance_jobs_are_installed_idempotently_and_their_commands_work(
     db_url: str, pg_cron_database: str
 ) -> None:
@@ -163,7 +198,7 @@ def test_maintenance_jobs_are_installed_idempotently_and_their_commands_work(
             conn.execute("DELETE FROM cron.job_run_details WHERE jobid = %s", (other[0],))
             conn.execute("SELECT cron.unschedule(%s)", (f"other-{dbname}",))
         assert installed[prefix + "prune"] == (
-            """SELECT "pgskip".prune('3600 seconds'::interval, NULL::interval)""",
+            """CALL "pgskip".prune_in_batches('3600 seconds'::interval, NULL::interval)""",
             dbname,
         )
         with psycopg.connect(db_url, autocommit=True) as conn:

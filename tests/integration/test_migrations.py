@@ -82,6 +82,14 @@ def test_custom_schema_name(empty_db_url: str) -> None:
         assert check_schema(conn, "Queue Schema") == latest_version()  # type: ignore[arg-type]
         with pytest.raises(exceptions.SchemaNotInstalled):
             check_schema(conn, "pgskip")  # type: ignore[arg-type]
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        # prune_in_batches() has the schema's name written into its body (migration 0007).
+        conn.execute(
+            'INSERT INTO "Queue Schema".jobs (queue, status, payload, finished_at)'
+            " VALUES ('q', 'completed', '{}', now() - interval '2 days')"
+        )
+        row = conn.execute('CALL "Queue Schema".prune_in_batches()').fetchone()
+        assert row == (1, 0, 0)
 
 
 def test_missing_schema_names_the_migrate_command(empty_db_url: str) -> None:
