@@ -811,9 +811,7 @@ class Channel(virtual.Channel):
         if fetcher is not None and fetcher.in_flight:
             if looped:
                 return []  # acks wait for the next fetch; the reply brings this one's rows
-            # A blocking wait for it was interrupted (a signal): its rows come first.
-            result = fetcher.wait()
-            return self._fetched_async(result) if result is not None else []
+            return self._wait_fetch(fetcher)  # its blocking wait was interrupted (a signal)
         credit = self.qos.can_consume_max_estimate()
         limit = self.options.fetch_limit
         if credit is not None:
@@ -836,9 +834,11 @@ class Channel(virtual.Channel):
             out += self.consumer_store.fetch(noack_queues, limit, self.consumer_id, no_ack=True)
         if ack_queues and len(out) < limit:
             pairs = self._take_acks()
-            if fetcher is not None and looped:
+            if fetcher is not None:
                 fetcher.send(pairs, ack_queues, limit, self.consumer_id)
                 self._fetch_acks = len(pairs)
+                if not looped:
+                    return self._wait_fetch(fetcher)  # kombu's blocking drain_events
                 # Sent for a notification (one arrived since the previous fetch was sent):
                 # what it finds adapts the cooldown.
                 self._notified_fetch = self._sent_wake_seq != self.connection._wake_seq
@@ -846,13 +846,6 @@ class Channel(virtual.Channel):
                 self.connection._last_fetch = time.monotonic()
                 self.connection._watch_fetch(self, fetcher)
                 return []  # the rows arrive with the reply (Transport._on_fetch_readable)
-            if fetcher is not None:
-                # Outside an event loop (kombu's blocking drain_events): the same statement
-                # on the fetcher's connection, waited for here.
-                fetcher.send(pairs, ack_queues, limit, self.consumer_id)
-                self._fetch_acks = len(pairs)
-                result = fetcher.wait()
-                return self._fetched_async(result) if result is not None else []
             done, rows = self.consumer_store.ack_fetch(
                 pairs, ack_queues, limit - len(out), self.consumer_id
             )
@@ -862,6 +855,12 @@ class Channel(virtual.Channel):
             self.flush_acks()
         self._more_due = self._starved = len(out) >= limit
         return out
+
+    def _wait_fetch(self, fetcher: AsyncFetcher) -> list[FetchedRow]:
+        """Wait here for the fetch in flight (outside an event loop, or at close) and take its
+        rows."""
+        result = fetcher.wait()
+        return [] if result is None else self._fetched_async(result)
 
     def _own_fetcher(self) -> AsyncFetcher | None:
         """The channel's fetcher: ``ack_fetch`` on a connection of its own, prepared once with
@@ -900,11 +899,9 @@ class Channel(virtual.Channel):
         if fetcher is None:
             return
         try:
-            result = fetcher.wait() if self.owned_by_this_process else None
-            if result is not None:
-                rows = self._fetched_async(result)
-                if rows:
-                    self._settle("requeue", [make_tag(r.id, r.attempts) for r in rows])
+            rows = self._wait_fetch(fetcher) if self.owned_by_this_process else []
+            if rows:
+                self._settle("requeue", [make_tag(r.id, r.attempts) for r in rows])
         except Exception as exc:
             # Not lost: unregistering this consumer (or the sweeper) returns them.
             logger.warning(

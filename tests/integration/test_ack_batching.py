@@ -113,15 +113,30 @@ def _publish(conn: Connection, queue: Queue, n: int) -> None:
         )
 
 
+def _consuming(
+    conn: Connection, queue: Queue, prefetch_count: int, *, ack: bool = False
+) -> tuple[Any, list[Any]]:
+    """A consumer of ``queue`` on a new channel, outside any event loop: (the channel, the
+    messages received; with ``ack``, their bodies, each message acked on arrival)."""
+    received: list[Any] = []
+
+    def take(body: Any, message: Any) -> None:
+        if ack:
+            received.append(body)
+            message.ack()
+        else:
+            received.append(message)
+
+    channel = conn.channel()
+    Consumer(channel, [queue], callbacks=[take], prefetch_count=prefetch_count).consume()
+    return channel, received
+
+
 def test_blocking_consumer_acks_ride_along_with_the_next_fetch(db_url: str) -> None:
     queue = Queue("blocking", Exchange("blocking"), "blocking")
     with Connection(_broker(db_url)) as conn:
         _publish(conn, queue, 3)
-        received: list[object] = []
-        channel = conn.channel()
-        Consumer(
-            channel, [queue], callbacks=[lambda body, m: received.append(m)], prefetch_count=2
-        ).consume()
+        _channel, received = _consuming(conn, queue, 2)
         conn.drain_events(timeout=5)
         assert len(received) == 2
         for message in received:
@@ -147,14 +162,7 @@ def test_a_blocking_consumer_fetches_on_a_connection_of_its_own_with_the_generic
     for options, own in (({}, True), ({"async_fetch": False}, False)):
         with Connection(_broker(db_url), transport_options=options) as conn:
             _publish(conn, queue, 8)
-            received: list[Any] = []
-
-            def take(body: Any, message: Any, received: list[Any] = received) -> None:
-                received.append(body)
-                message.ack()
-
-            channel = conn.channel()
-            Consumer(channel, [queue], callbacks=[take], prefetch_count=1).consume()
+            channel, received = _consuming(conn, queue, 1, ack=True)
             while len(received) < 8:
                 conn.drain_events(timeout=5)
             with contextlib.suppress(TimeoutError):
@@ -181,18 +189,14 @@ def test_a_blocking_fetch_left_in_flight_is_delivered_by_the_next_drain(db_url: 
     queue = Queue("interrupted", Exchange("interrupted"), "interrupted")
     with Connection(_broker(db_url)) as conn:
         _publish(conn, queue, 3)
-        received: list[Any] = []
-        channel = conn.channel()
-        Consumer(
-            channel, [queue], callbacks=[lambda body, m: received.append(body)], prefetch_count=10
-        ).consume()
+        channel, received = _consuming(conn, queue, 10)
         fetcher = channel._own_fetcher()
         assert fetcher is not None
         channel._ensure_registered([queue.name])
         # What a wait interrupted after the send leaves behind.
         fetcher.send([], [queue.name], 10, channel.consumer_id)
         conn.drain_events(timeout=5)
-        assert [b["i"] for b in received] == [0, 1, 2]
+        assert [m.payload["i"] for m in received] == [0, 1, 2]
         assert not fetcher.in_flight
 
 
