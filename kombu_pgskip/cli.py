@@ -412,6 +412,7 @@ def maintenance_options(func: Any) -> Any:
             ("--prune-schedule", "pg_cron schedule of the pruning job (default hourly)."),
             ("--completed-retention", "Keep completed messages this long (1d; 'never')."),
             ("--failed-retention", "Keep failed messages this long (14d; 'never' keeps them)."),
+            ("--prune-batch", "Completed messages deleted per transaction by pruning (10000)."),
             ("--cron-history-schedule", "pg_cron schedule of the cron.job_run_details pruning."),
             ("--cron-history-retention", "Keep cron.job_run_details rows this long (7d)."),
         )

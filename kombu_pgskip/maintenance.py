@@ -9,11 +9,11 @@ pg_cron job calling one SQL function of the schema):
     forgotten, due ``scheduled`` rows are promoted. Live workers do the same; this job covers
     the time when none runs. Also ``<schema>.expire_queues()`` where the schema has it.
 ``prune`` (hourly)
-    ``CALL <schema>.prune_in_batches(completed, failed)``: deletes ``completed`` rows finished
-    more than ``completed_retention`` ago (default 1 day), 10,000 per transaction so that no
-    long transaction holds vacuum back, then ``failed`` rows older than ``failed_retention``
-    (default 14 days; ``None`` keeps them) and old fired-slot records. (``<schema>.prune()``,
-    one transaction, on a schema from before migration 0007.)
+    ``CALL <schema>.prune_in_batches(completed, failed, batch)``: deletes ``completed`` rows
+    finished more than ``completed_retention`` ago (default 1 day), ``prune_batch`` (10,000)
+    per transaction so that no long transaction holds vacuum back, then ``failed`` rows older
+    than ``failed_retention`` (default 14 days; ``None`` keeps them) and old fired-slot records.
+    (``<schema>.prune()``, one transaction, on a schema from before migration 0007.)
 ``cron-history`` (daily, in pg_cron's database)
     deletes this schema's jobs' rows of ``cron.job_run_details`` older than
     ``cron_history_retention`` (default 7 days): pg_cron logs every run, 1,440 a day per
@@ -45,6 +45,10 @@ from .urls import Connection, connect, mask_url
 logger = logging.getLogger(__name__)
 
 
+PRUNE_BATCH = 10_000  # completed rows deleted per transaction by prune_in_batches()
+_INTEGERS = ("max_attempts", "prune_batch")
+
+
 @dataclass(frozen=True)
 class MaintenanceConfig:
     """What the maintenance jobs do and when. ``None`` retention: keep forever (no job)."""
@@ -54,6 +58,7 @@ class MaintenanceConfig:
     prune_schedule: str = "17 * * * *"
     completed_retention: timedelta | None = timedelta(days=1)
     failed_retention: timedelta | None = timedelta(days=14)
+    prune_batch: int = PRUNE_BATCH
     cron_history_schedule: str = "27 3 * * *"
     cron_history_retention: timedelta | None = timedelta(days=7)
 
@@ -81,16 +86,19 @@ class MaintenanceConfig:
         for name, value in values.items():
             if name.endswith("_retention"):
                 converted[name] = parse_duration(value, name)
-            elif name == "max_attempts":
+            elif name in _INTEGERS:
+                if isinstance(value, bool):
+                    raise exceptions.ConfigurationError(f"{name} must be an integer")
                 try:
                     converted[name] = int(value)
                 except (TypeError, ValueError):
-                    raise exceptions.ConfigurationError("max_attempts must be an integer") from None
+                    raise exceptions.ConfigurationError(f"{name} must be an integer") from None
             else:
                 converted[name] = str(value)
         config = cls(**converted)
-        if config.max_attempts < 1:
-            raise exceptions.ConfigurationError("max_attempts must be >= 1")
+        for name in _INTEGERS:
+            if getattr(config, name) < 1:
+                raise exceptions.ConfigurationError(f"{name} must be >= 1")
         return config
 
 
@@ -162,25 +170,24 @@ def maintenance_jobs(
         )
     )
     if config.completed_retention is not None or config.failed_retention is not None:
-        # A lone CALL: pg_cron runs it outside a transaction block, so it can commit.
-        template = (
-            "CALL {}.prune_in_batches({}::interval, {}::interval)"
-            if _has_batches(app_conn, schema)
-            else "SELECT {}.prune({}::interval, {}::interval)"
-        )
-        prune = sql.SQL(template).format(
-            ident,
-            sql.Literal(
-                None
-                if config.completed_retention is None
-                else _interval_literal(config.completed_retention)
-            ),
-            sql.Literal(
-                None
-                if config.failed_retention is None
-                else _interval_literal(config.failed_retention)
-            ),
-        )
+        retention = [
+            sql.Literal(None if kept is None else _interval_literal(kept))
+            for kept in (config.completed_retention, config.failed_retention)
+        ]
+        if _has_batches(app_conn, schema):
+            # A lone CALL: pg_cron runs it outside a transaction block, so it can commit.
+            prune = sql.SQL("CALL {}.prune_in_batches({}::interval, {}::interval, {})").format(
+                ident, *retention, sql.Literal(config.prune_batch)
+            )
+        else:
+            if config.prune_batch != PRUNE_BATCH:
+                logger.warning(
+                    "prune_batch is ignored: schema %r has no prune_in_batches() (migration "
+                    "0007) and prunes in one transaction; run `celery -A proj pgskip migrate`",
+                    schema,
+                    extra={"action": "prune_batch_ignored", "schema": schema},
+                )
+            prune = sql.SQL("SELECT {}.prune({}::interval, {}::interval)").format(ident, *retention)
         jobs.append(
             cron.Job(
                 prefix + "prune", config.prune_schedule, prune.as_string(conn), server.app_database
@@ -243,6 +250,7 @@ def run_once(url: str, schema: str, config: MaintenanceConfig) -> dict[str, int]
             {
                 "completed_after": config.completed_retention,
                 "failed_after": config.failed_retention,
+                "batch": config.prune_batch,
             },
         ).fetchone()
     assert sweep is not None and prune is not None

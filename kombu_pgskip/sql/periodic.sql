@@ -93,7 +93,7 @@ SELECT requeued, failed, consumers_forgotten, promoted FROM {schema}.sweep(%(max
 SELECT completed, failed, slots FROM {schema}.prune(%(completed_after)s::interval, %(failed_after)s::interval);
 
 -- prune_in_batches: the same, committing after each batch of completed rows (what the prune job runs); a statement of its own, outside any transaction block
-CALL {schema}.prune_in_batches(%(completed_after)s::interval, %(failed_after)s::interval);
+CALL {schema}.prune_in_batches(%(completed_after)s::interval, %(failed_after)s::interval, %(batch)s::integer);
 
 -- has_routine: does the schema have this function or procedure (expire_queues(), prune_in_batches())
 SELECT to_regprocedure(%(signature)s) IS NOT NULL;

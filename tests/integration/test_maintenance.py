@@ -13,7 +13,12 @@ from click.testing import CliRunner
 
 from kombu_pgskip import cron
 from kombu_pgskip.__main__ import main
-from kombu_pgskip.maintenance import MaintenanceConfig, install, remove_all_jobs
+from kombu_pgskip.maintenance import (
+    MaintenanceConfig,
+    install,
+    maintenance_jobs,
+    remove_all_jobs,
+)
 from tests.helpers import make_url
 
 
@@ -152,7 +157,9 @@ def test_maintenance_jobs_are_installed_idempotently_and_their_commands_work(
 ) -> None:
     dbname = db_url.rsplit("/", 1)[1]
     prefix = f"pgskip:{dbname}:pgskip:"
-    config = MaintenanceConfig(completed_retention=timedelta(hours=1), failed_retention=None)
+    config = MaintenanceConfig(
+        completed_retention=timedelta(hours=1), failed_retention=None, prune_batch=250
+    )
     cron_url = make_url(db_url, pg_cron_database)
     try:
         changes = install(db_url, "pgskip", config)
@@ -198,7 +205,7 @@ def test_maintenance_jobs_are_installed_idempotently_and_their_commands_work(
             conn.execute("DELETE FROM cron.job_run_details WHERE jobid = %s", (other[0],))
             conn.execute("SELECT cron.unschedule(%s)", (f"other-{dbname}",))
         assert installed[prefix + "prune"] == (
-            """CALL "pgskip".prune_in_batches('3600 seconds'::interval, NULL::interval)""",
+            """CALL "pgskip".prune_in_batches('3600 seconds'::interval, NULL::interval, 250)""",
             dbname,
         )
         with psycopg.connect(db_url, autocommit=True) as conn:
@@ -215,6 +222,39 @@ def test_maintenance_jobs_are_installed_idempotently_and_their_commands_work(
     server = cron.locate(db_url)
     with cron.cron_session(db_url, server) as conn:
         assert cron.list_jobs(conn, prefix) == []
+
+
+def test_prune_job_on_a_schema_before_0007_calls_prune_and_says_prune_batch_is_ignored(
+    db_url: str, pg_cron_database: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A schema without prune_in_batches() (before migration 0007) gets the one-transaction
+    prune(); a prune_batch set for it is reported as ignored, with what to run."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "DROP PROCEDURE pgskip.prune_in_batches(interval, interval, integer, bigint,"
+            " bigint, bigint)"
+        )
+    server = cron.locate(db_url)
+    config = MaintenanceConfig(completed_retention=timedelta(hours=1), prune_batch=500)
+    with (
+        psycopg.connect(db_url) as app_conn,
+        cron.cron_session(db_url, server) as conn,
+        caplog.at_level("WARNING", logger="kombu_pgskip.maintenance"),
+    ):
+        made = maintenance_jobs(server, "pgskip", config, conn, app_conn)
+    jobs = {job.name.rsplit(":", 1)[1]: job for job in made}
+    assert jobs["prune"].command == (
+        """SELECT "pgskip".prune('3600 seconds'::interval, '1209600 seconds'::interval)"""
+    )
+    assert [r.getMessage() for r in caplog.records] == [
+        "prune_batch is ignored: schema 'pgskip' has no prune_in_batches() (migration 0007) and"
+        " prunes in one transaction; run `celery -A proj pgskip migrate`"
+    ]
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        old = _job(conn, "completed", finished_ago=timedelta(hours=2))
+        conn.execute(jobs["prune"].command.encode())
+        assert old not in _statuses(conn)
+    assert pg_cron_database == server.cron_database
 
 
 def test_failed_messages_can_be_listed_retried_and_purged_with_filters(db_url: str) -> None:
@@ -261,3 +301,27 @@ def test_tick_fires_and_maintains_once(db_url: str) -> None:
     result = CliRunner().invoke(main, ["tick", "--url", db_url])
     assert result.exit_code == 0, result.output
     assert result.output.startswith("fired 0 periodic slots; requeued 0")
+
+
+def test_tick_prunes_prune_batch_rows_per_transaction(db_url: str) -> None:
+    """``--prune-batch`` (``pgskip_maintenance["prune_batch"]``) sets how many completed rows
+    each of the prune's transactions deletes."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO pgskip.jobs (queue, status, payload, finished_at)"
+            " SELECT 'q', 'completed', '{}', now() - interval '2 days' - i * interval '1 second'"
+            " FROM generate_series(1, 300) AS i"
+        )
+        before = conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()
+        result = CliRunner().invoke(main, ["tick", "--url", db_url, "--prune-batch", "20"])
+        assert result.exit_code == 0, result.output
+        after = conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()
+        assert before is not None and after is not None
+        assert "pruned_completed 300," in result.output, result.output
+        # 15 batches of 20, each in a transaction of its own (plus the sweep's and the last).
+        assert after[0] - before[0] >= 16, (before, after)
+        assert conn.execute(
+            "SELECT count(*) FROM pgskip.jobs WHERE status = 'completed'"
+        ).fetchone() == (0,)
+    refused = CliRunner().invoke(main, ["tick", "--url", db_url, "--prune-batch", "0"])
+    assert refused.exit_code != 0 and "prune_batch must be >= 1" in refused.output

@@ -224,6 +224,16 @@ def test_maintenance_settings_parse_and_validate() -> None:
     )
     assert config.completed_retention == timedelta(hours=2)
     assert config.failed_retention is None and config.max_attempts == 5
+    assert config.prune_batch == 10_000
+    assert MaintenanceConfig.build({"prune_batch": "500"}).prune_batch == 500
+    for bad, message in (
+        ("lots", "prune_batch must be an integer"),
+        (True, "prune_batch must be an integer"),
+        (0, "prune_batch must be >= 1"),
+        ("-5", "prune_batch must be >= 1"),
+    ):
+        with pytest.raises(exceptions.ConfigurationError, match=message):
+            MaintenanceConfig.build({"prune_batch": bad})
     assert parse_duration(90) == timedelta(seconds=90)
     assert parse_duration("7d") == timedelta(days=7)
     with pytest.raises(exceptions.ConfigurationError, match="unknown"):
