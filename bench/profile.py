@@ -30,6 +30,14 @@
    ``apply_async`` to the task's start (p50, p99) in that stream. ``--e2e-workers N`` runs N
    such workers on the one queue (every notification then wakes all of them; their CPU is
    summed).
+6. Blocking kombu consumers (``--blocking`` runs only this): ``N`` processes each running a
+   kombu ``Consumer`` (prefetch 10, acking each message) in a ``drain_events`` loop, as a
+   ``ConsumerMixin`` does, on one queue; one kombu producer publishing 2,000 durable messages
+   at a fixed rate (``--blocking-rate``, default 500/s). For each ``N`` of
+   ``--blocking-consumers`` (default 1,3,6) and each ``--e2e-cooldowns`` setting in turn
+   (rounds alternate): ``ack_fetch`` statements per message, the consumers' CPU per message,
+   the time from publish to the consumer's callback (p50, p99), and how many of the notified
+   fetches took nothing.
 
 It runs its own EmbeddedPostgres (fsync on) with ``pg_stat_statements`` preloaded.
 """
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import dataclasses
 import json
@@ -339,6 +348,137 @@ def e2e_cpu(
     return out
 
 
+def _blocking_consumer(
+    url: str, options: dict[str, Any], queue_name: str, ready: Any, stop: Any, results: Any
+) -> None:
+    """One blocking consumer process (part 6): latencies, CPU and what its cooldown saw."""
+    from kombu import Connection, Consumer, Exchange, Queue
+
+    from kombu_pgskip import fetcher
+
+    seen = {"empty": 0, "rows": 0}
+    observe = fetcher.Cooldown.observe
+
+    def counted(self: Any, rows: int) -> None:
+        seen["empty" if rows == 0 else "rows"] += 1
+        observe(self, rows)
+
+    fetcher.Cooldown.observe = counted  # type: ignore[method-assign,assignment]
+    queue = Queue(queue_name, Exchange(queue_name), queue_name)
+    waits: list[float] = []
+
+    def take(body: Any, message: Any) -> None:
+        waits.append(time.time() - body["t"])
+        message.ack()
+
+    with Connection(url, transport_options=options) as conn:
+        consumer = Consumer(conn.channel(), [queue], callbacks=[take], prefetch_count=10)
+        with consumer:
+            ready.set()
+            c0 = time.process_time()
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=0.2)
+            cpu = time.process_time() - c0
+    results.put((waits, cpu, seen["empty"], seen["rows"]))
+
+
+def blocking_consumers(
+    broker: Broker,
+    admin: psycopg.Connection[Any],
+    *,
+    cooldowns: tuple[tuple[float, float], ...] = E2E_COOLDOWNS,
+    consumers: tuple[int, ...] = (1, 3, 6),
+    rate: float = 500.0,
+    rounds: int = 2,
+    n: int = 2000,
+) -> dict[str, Any]:
+    """Part 6: blocking kombu consumers on one queue, a producer at ``rate`` messages/s."""
+    import multiprocessing as mp
+
+    from kombu import Connection, Exchange, Producer, Queue
+
+    url = broker.url or ""
+    samples: dict[tuple[int, tuple[float, float]], list[dict[str, float]]] = {
+        (c, cd): [] for c in consumers for cd in cooldowns
+    }
+    for _ in range(rounds):
+        for count in consumers:
+            for cooldown in cooldowns:
+                name = new_queue("blocking")
+                queue = Queue(name, Exchange(name), name)
+                options = {
+                    "polling_interval": 5,
+                    "fetch_cooldown": cooldown[0],
+                    "fetch_cooldown_max": cooldown[1],
+                }
+                stop, results = mp.Event(), mp.Queue()  # type: ignore[var-annotated]
+                readies = [mp.Event() for _ in range(count)]
+                with Connection(url) as conn:
+                    producer = Producer(conn.channel(), exchange=queue.exchange, routing_key=name)
+                    producer.publish({"t": time.time()}, declare=[queue])  # declared, warmed
+                    procs = [
+                        mp.Process(
+                            target=_blocking_consumer,
+                            args=(url, options, name, ready, stop, results),
+                        )
+                        for ready in readies
+                    ]
+                    for proc in procs:
+                        proc.start()
+                    for ready in readies:
+                        ready.wait(30)
+                    time.sleep(0.5)
+                    _reset(admin)
+                    t0 = time.time()
+                    for i in range(n):
+                        ahead = t0 + i / rate - time.time()
+                        if ahead > 0:
+                            time.sleep(ahead)
+                        producer.publish({"i": i, "t": time.time()})
+                deadline = time.time() + 60
+                while time.time() < deadline:
+                    left = admin.execute(
+                        "SELECT count(*) FROM pgskip.jobs WHERE queue = %s"
+                        " AND status <> 'completed'",
+                        (name,),
+                    ).fetchone()
+                    if left and left[0] == 0:
+                        break
+                    time.sleep(0.05)
+                time.sleep(0.3)  # the last acks written
+                fetches = admin.execute(
+                    "SELECT coalesce(sum(calls), 0) FROM pg_stat_statements"
+                    " WHERE query LIKE 'WITH acked AS%%'"
+                ).fetchone()
+                stop.set()
+                got = [results.get(timeout=60) for _ in procs]
+                for proc in procs:
+                    proc.join(30)
+                waits = [w for g in got for w in g[0]][1:]  # not the warm-up message
+                empty, taking = sum(g[2] for g in got), sum(g[3] for g in got)
+                row = {
+                    "received": float(len(waits)),
+                    "fetches_per_message": float(fetches[0] if fetches else 0) / n,
+                    "consumers_cpu_us": 1e6 * sum(g[1] for g in got) / n,
+                    "publish_to_callback_ms_p50": 1e3 * (percentile(waits, 50) or 0.0),
+                    "publish_to_callback_ms_p99": 1e3 * (percentile(waits, 99) or 0.0),
+                    "notified_fetches_empty_share": empty / max(1, empty + taking),
+                }
+                samples[(count, cooldown)].append(row)
+                log(
+                    f"blocking, {count} consumers, {_cooldown_name(cooldown)}: "
+                    f"{row['fetches_per_message']:.2f} fetches/message, "
+                    f"p50 {row['publish_to_callback_ms_p50']:.2f} ms"
+                )
+    out: dict[str, Any] = {"rounds": rounds, "messages": n, "rate": rate}
+    for (count, cooldown), rows in samples.items():
+        out.setdefault(f"{count} consumers", {})[_cooldown_name(cooldown)] = {
+            key: round(float(median(r[key] for r in rows) or 0.0), 2) for key in rows[0]
+        }
+    return out
+
+
 def sample_message_json() -> str:
     """A kombu message as the transport stores it (about 600 bytes)."""
     body = "eyJpIjogMCwgInBhZCI6ICJ4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4In0="
@@ -397,6 +537,18 @@ def main(argv: list[str] | None = None) -> int:
         help="fetch_cooldown[:fetch_cooldown_max],... for --e2e-cpu"
         " (default 0,0.002,0.005,0.002:0.02)",
     )
+    parser.add_argument(
+        "--blocking", action="store_true", help="only blocking kombu consumers (part 6)"
+    )
+    parser.add_argument(
+        "--blocking-consumers",
+        type=lambda text: tuple(int(x) for x in text.split(",")),
+        default=(1, 3, 6),
+        help="consumer processes for --blocking, each count in turn (default 1,3,6)",
+    )
+    parser.add_argument(
+        "--blocking-rate", type=float, default=500.0, help="messages/s for --blocking"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -425,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         conn = psycopg.connect(url, autocommit=True)
         conn.execute("CREATE EXTENSION pg_stat_statements")
-        if args.publish_cpu or args.fetch_plans or args.e2e_cpu:
+        if args.publish_cpu or args.fetch_plans or args.e2e_cpu or args.blocking:
             report = {}
             if args.publish_cpu:
                 report["publish_cpu"] = publish_cpu(broker)
@@ -434,6 +586,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.e2e_cpu:
                 report["e2e_cpu"] = e2e_cpu(
                     broker, conn, workers=args.e2e_workers, cooldowns=args.e2e_cooldowns
+                )
+            if args.blocking:
+                report["blocking_consumers"] = blocking_consumers(
+                    broker,
+                    conn,
+                    cooldowns=args.e2e_cooldowns,
+                    consumers=args.blocking_consumers,
+                    rate=args.blocking_rate,
                 )
             conn.close()
             return _write(out, report)

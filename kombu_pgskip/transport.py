@@ -91,11 +91,12 @@ option                        default    meaning
 ``prepared_statements``       True       let psycopg prepare frequent statements; False behind
                                          PgBouncer in transaction pooling (before 1.21, or
                                          without ``max_prepared_statements``)
-``fetch_cooldown``            0.002      in Celery's event loop, a notification's fetch waits
-                                         until this many seconds after the previous fetch was
-                                         sent, so while tasks stream in one fetch takes the
-                                         messages of that moment together; an idle worker
-                                         fetches at once. 0: every notification fetches
+``fetch_cooldown``            0.002      a notification's fetch waits until this many seconds
+                                         after the previous fetch was sent (in Celery's event
+                                         loop and in a blocking ``drain_events``), so while
+                                         tasks stream in one fetch takes the messages of that
+                                         moment together; an idle worker fetches at once.
+                                         0: every notification fetches
 ``fetch_cooldown_max``        0.02       the cooldown grows towards this while notified
                                          fetches come back empty (other workers on the queue
                                          took the message) and shrinks back to
@@ -835,16 +836,20 @@ class Channel(virtual.Channel):
         if ack_queues and len(out) < limit:
             pairs = self._take_acks()
             if fetcher is not None:
+                transport = self.connection
                 fetcher.send(pairs, ack_queues, limit, self.consumer_id)
                 self._fetch_acks = len(pairs)
-                if not looped:
-                    return self._wait_fetch(fetcher)  # kombu's blocking drain_events
                 # Sent for a notification (one arrived since the previous fetch was sent):
                 # what it finds adapts the cooldown.
-                self._notified_fetch = self._sent_wake_seq != self.connection._wake_seq
-                self._sent_wake_seq = self.connection._wake_seq
-                self.connection._last_fetch = time.monotonic()
-                self.connection._watch_fetch(self, fetcher)
+                self._notified_fetch = self._sent_wake_seq != transport._wake_seq
+                self._sent_wake_seq = transport._wake_seq
+                transport._last_fetch = time.monotonic()
+                if not looped:  # kombu's blocking drain_events
+                    rows = self._wait_fetch(fetcher)
+                    if self._notified_fetch:
+                        transport._cooldown.observe(len(rows))
+                    return rows
+                transport._watch_fetch(self, fetcher)
                 return []  # the rows arrive with the reply (Transport._on_fetch_readable)
             done, rows = self.consumer_store.ack_fetch(
                 pairs, ack_queues, limit - len(out), self.consumer_id
@@ -1454,8 +1459,19 @@ class Transport(virtual.Transport):
                 if wake in readable:
                     self._drain_wake_pipe(wake)
                     return
-                if listener is not None and self._read_notifications(listener, wanted, sched):
+                if listener is None:
+                    continue
+                queues, scheduled = self._notified(listener, wanted, sched)
+                if scheduled:
                     return
+                if queues:
+                    # As in the event loop: a notification's fetch waits until the cooldown
+                    # after the previous fetch, and takes what was announced meanwhile too.
+                    self._wake_seq += 1
+                    left = self._cooldown_left()
+                    if left <= 0:
+                        return
+                    end = min(end, time.monotonic() + left)
         finally:
             self._waiting = False
 
@@ -1466,13 +1482,6 @@ class Transport(virtual.Transport):
                 pass
         except OSError:
             pass
-
-    def _read_notifications(
-        self, listener: psycopg.Connection[Any], wanted: set[str], sched: str
-    ) -> bool:
-        """Consume pending notifications; True if one concerns this worker."""
-        queues, scheduled = self._notified(listener, wanted, sched)
-        return bool(queues) or scheduled
 
     def _notified(
         self, listener: psycopg.Connection[Any], wanted: set[str], sched: str

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import select
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -552,4 +553,65 @@ def test_the_cooldown_grows_while_notified_fetches_find_nothing_and_shrinks_back
             shrinking.append(cooldown.value)
         assert len(received) == 27
         assert shrinking == sorted(shrinking, reverse=True) and shrinking[0] < 0.08
+        assert shrinking[-1] == 0.01, "back to fetch_cooldown while fetches take rows"
+
+
+def test_a_blocking_consumer_adapts_its_cooldown_as_the_event_loop_does(
+    db_url: str, fetch_sends: list[tuple[float, int]]
+) -> None:
+    """Outside an event loop (``drain_events``, as a ``ConsumerMixin`` runs): a notification
+    read while waiting fetches only once the cooldown after the previous fetch has passed; if
+    that fetch finds the message taken by another consumer, the cooldown doubles, up to
+    ``fetch_cooldown_max``; notified fetches that take rows shrink it back."""
+    queue = Queue("adaptive-blocking", Exchange("adaptive-blocking"), "adaptive-blocking")
+    options = {"polling_interval": 30, "fetch_cooldown": 0.01, "fetch_cooldown_max": 0.08}
+    with (
+        Connection(_broker(db_url), transport_options=options) as conn,
+        Connection(_broker(db_url)) as other,
+    ):
+        transport = conn.transport
+        cooldown = transport._cooldown
+        _channel, received = _consuming(conn, queue, 10)
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=0.2)  # LISTEN opened, the queue found empty
+        listener = transport._listener
+        assert listener is not None
+        _publish(other, queue, 0)  # declares the queue on the other connection
+
+        def announced_and_taken() -> None:
+            _publish(other, queue, 1)
+            taken = other.default_channel.basic_get(queue.name)
+            assert taken is not None
+            taken.ack()
+            select.select([listener.pgconn.socket], [], [], 5)  # the notification is here
+
+        values = []
+        for _ in range(4):
+            announced_and_taken()
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.2)
+            values.append(cooldown.value)
+        assert received == []
+        assert values == [0.02, 0.04, 0.08, 0.08], "doubled per empty notified fetch, capped"
+
+        fetch_sends.clear()
+        publisher = threading.Timer(0.02, _publish, (other, queue, 1))
+        publisher.start()  # announced while this consumer waits, within its cooldown
+        conn.drain_events(timeout=5)
+        publisher.join()
+        assert len(received) == 1
+        sends = [t for t, _ in fetch_sends]
+        assert len(sends) == 2 and sends[1] - sends[0] >= 0.075, "waited out the cooldown"
+        assert cooldown.value < 0.08, "a notified fetch that took a row shortens it"
+
+        shrinking = [cooldown.value]
+        for i in range(25):
+            publisher = threading.Timer(0.01, _publish, (other, queue, 1))
+            publisher.start()  # announced while this consumer waits
+            conn.drain_events(timeout=5)
+            publisher.join()
+            assert len(received) == 2 + i
+            received[-1].ack()
+            shrinking.append(cooldown.value)
+        assert shrinking == sorted(shrinking, reverse=True)
         assert shrinking[-1] == 0.01, "back to fetch_cooldown while fetches take rows"
