@@ -35,7 +35,8 @@
    ``ConsumerMixin`` does, on one queue; one kombu producer publishing 2,000 durable messages
    at a fixed rate (``--blocking-rate``, default 500/s). For each ``N`` of
    ``--blocking-consumers`` (default 1,3,6) and each ``--e2e-cooldowns`` setting in turn
-   (rounds alternate): ``ack_fetch`` statements per message, the consumers' CPU per message,
+   (rounds alternate): ``ack_fetch`` statements per message and ack statements of their own
+   (acks no fetch carried) per message, the consumers' CPU per message,
    the time from publish to the consumer's callback (p50, p99), and how many of the notified
    fetches took nothing.
 
@@ -348,6 +349,14 @@ def e2e_cpu(
     return out
 
 
+# Acks written by a statement of their own (not carried by a fetch): Store.ack.
+ACK_CALLS = (
+    "SELECT coalesce(sum(calls), 0) FROM pg_stat_statements"
+    " WHERE query LIKE 'UPDATE %%jobs AS jobs%%finished_at = now(), locked_by = %%'"
+    " AND query NOT LIKE '%%last_error%%'"
+)
+
+
 def _blocking_consumer(
     url: str, options: dict[str, Any], queue_name: str, ready: Any, stop: Any, results: Any
 ) -> None:
@@ -451,6 +460,7 @@ def blocking_consumers(
                     "SELECT coalesce(sum(calls), 0) FROM pg_stat_statements"
                     " WHERE query LIKE 'WITH acked AS%%'"
                 ).fetchone()
+                acks = admin.execute(ACK_CALLS).fetchone()
                 stop.set()
                 got = [results.get(timeout=60) for _ in procs]
                 for proc in procs:
@@ -460,6 +470,7 @@ def blocking_consumers(
                 row = {
                     "received": float(len(waits)),
                     "fetches_per_message": float(fetches[0] if fetches else 0) / n,
+                    "ack_statements_per_message": float(acks[0] if acks else 0) / n,
                     "consumers_cpu_us": 1e6 * sum(g[1] for g in got) / n,
                     "publish_to_callback_ms_p50": 1e3 * (percentile(waits, 50) or 0.0),
                     "publish_to_callback_ms_p99": 1e3 * (percentile(waits, 99) or 0.0),

@@ -702,6 +702,7 @@ class Channel(virtual.Channel):
             self._no_ack_queues.add(queue)
         result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
         self._registered = False  # re-register with the new queue list
+        self.connection._drained = False  # a new queue: fetch from it at once
         self.connection._wakeup_consumers()
         return result
 
@@ -709,6 +710,8 @@ class Channel(virtual.Channel):
         self, prefetch_size: int = 0, prefetch_count: int = 0, apply_global: bool = False
     ) -> None:
         super().basic_qos(prefetch_size, prefetch_count, apply_global)
+        if self.connection is not None:
+            self.connection._drained = False
         self._credit_freed()  # a larger prefetch window: fetch more now
 
     def basic_cancel(self, consumer_tag: str) -> Any:
@@ -924,9 +927,10 @@ class Channel(virtual.Channel):
     def _batching_acks(self) -> bool:
         """Acks wait for the next fetch (or flush) while this channel consumes in this process.
 
-        They are written by the next fetch, the event loop's next turn, the next
-        ``drain_events`` call, the channel's close, or at the latest the heartbeat thread's
-        next beat. An ack lost in a crash before it is written only causes a redelivery.
+        They are written by the next fetch: the event loop's, or a ``drain_events`` call's
+        (sent within ``ACK_FLUSH_DELAY`` of the call's start); else by the channel's close, or
+        at the latest the heartbeat thread's next beat. An ack lost in a crash before it is
+        written only causes a redelivery.
         """
         return self.owned_by_this_process and not self.closed and bool(self._consumers)
 
@@ -1216,6 +1220,10 @@ class Transport(virtual.Transport):
         self._refill_deferred = False
         self._refill_queued = False
         self._more_due = False
+        # Outside an event loop: the last drain_events delivered a batch that drained the
+        # queues, so the next one waits for a notification before fetching.
+        self._drained = False
+        self._poll_at = 0.0  # outside an event loop: when to fetch for want of a notification
         # A wake-up that asks for a fetch (not only for acks to be written), and an ack
         # flush already scheduled on the loop (see Channel._ack_queued).
         self._fetch_wanted = False
@@ -1299,6 +1307,7 @@ class Transport(virtual.Transport):
         if hb is not None and self._pid == os.getpid():
             hb.stop_event.set()
         self._waiting = False
+        self._drained = False  # a new connection fetches at once
         self._leave_event_loop()
         pair, self._wake_pair = self._wake_pair, None
         if pair is not None and self._pid == os.getpid():
@@ -1347,25 +1356,73 @@ class Transport(virtual.Transport):
 
         Waits on LISTEN (or sleeps, in poll-only mode) between polls; wakes early for a
         notification on a consumed queue and when a scheduled message falls due.
+
+        Once a fetch has taken less than it asked for (the queues are drained), the next one
+        is sent for a notification (once ``fetch_cooldown`` has passed), a scheduled message
+        falling due, a wake-up from another thread, or the poll, as in the event loop: not at
+        the start of every call. The acks of the batch just delivered ride along with that
+        fetch, or with one sent ``ACK_FLUSH_DELAY`` after the call began.
         """
         if self._pid != os.getpid():
             self._pid = os.getpid()
             self._listener = None
             self._heartbeat = None
-        deadline = None if timeout is None else time.monotonic() + timeout
+            self._drained = False
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        fetch_at: float | None = start  # when to fetch; None: at a wake-up or the poll
+        if self._drained:
+            fetch_at = None
+            if self._pending():
+                self._drained = False  # owed to the notification even if this call times out
+                fetch_at = start + max(0.0, self._cooldown_left())
+        ack_due = start + ACK_FLUSH_DELAY
         while True:
             now = time.monotonic()
-            if now >= self._next_promote:
-                self._promote(now)
-            if self._deliver_batch():
-                return
-            now = time.monotonic()
-            wait = min(self.options.polling_interval, max(0.0, self._next_promote - now))
+            if now >= self._next_promote and self._promote(now):
+                fetch_at = now
+            if now >= self._poll_at:
+                fetch_at = now
+            if fetch_at is not None and now >= fetch_at:
+                delivered = self._deliver_batch()
+                self._drained = (
+                    self.options.listen
+                    and not self._more_due
+                    and not any(c._starved for c in self.channels if not c.closed)
+                )
+                now = time.monotonic()
+                self._poll_at = now + self.options.polling_interval
+                if delivered:
+                    return
+                fetch_at = None
+            wait = min(self._poll_at, self._next_promote) - now
+            if fetch_at is not None:
+                wait = min(wait, fetch_at - now)
+            acks_waiting = self._acks_waiting()
+            if acks_waiting:
+                wait = min(wait, ack_due - now)
             if deadline is not None:
                 if now >= deadline:
                     raise TimeoutError()
                 wait = min(wait, deadline - now)
-            self._wait(wait)
+            if self._wait(max(0.0, wait)) or (acks_waiting and time.monotonic() >= ack_due):
+                fetch_at = time.monotonic()  # a fetch carries the waiting acks too
+
+    def _pending(self) -> bool:
+        """Whether notifications for consumed queues came in since the last wait; read
+        without waiting."""
+        listener = self._listener
+        if listener is None or listener.closed:
+            return False
+        queues, _scheduled = self._notified(
+            listener, self._consumed_queues(), scheduled_channel(self.options.schema)
+        )
+        if queues:
+            self._wake_seq += 1
+        return bool(queues)  # a scheduled message's due time only moves _next_promote
+
+    def _acks_waiting(self) -> bool:
+        return any(c._pending_acks for c in self.channels if not c.closed)
 
     def _deliver_batch(self, only: set[str] | None = None, *, eager: bool = True) -> bool:
         """Fetch and deliver one batch per consuming channel (those consuming ``only``).
@@ -1406,13 +1463,15 @@ class Transport(virtual.Transport):
             return
         self._deliver(message, row.queue)
 
-    def _promote(self, now: float) -> None:
+    def _promote(self, now: float) -> int:
+        """Promote due scheduled messages; returns how many."""
         promoted, next_in = self.store.promote_scheduled()
         if promoted:
             logger.debug("promoted %d scheduled messages", promoted, extra={"action": "promote"})
         poll = self.options.polling_interval
         delay = poll * 5 if next_in is None else min(max(next_in, 0.0), poll * 5)
         self._next_promote = now + delay
+        return int(promoted)
 
     def _ensure_listener(self) -> tuple[psycopg.Connection[Any] | None, bool]:
         """The LISTEN connection (None in poll-only mode), and whether it was just opened."""
@@ -1435,42 +1494,47 @@ class Transport(virtual.Transport):
             self._wake_pair = pair
         return self._wake_pair
 
-    def _wait(self, seconds: float) -> None:
+    def _wait(self, seconds: float) -> bool:
+        """Wait up to ``seconds``; True if woken for a fetch (a notification, once the
+        cooldown has passed; the wake pipe), False at the time or when a scheduled message
+        announced an earlier due time."""
         listener, opened = self._ensure_listener()
         if opened:
             # A message that arrived between the last fetch and the LISTEN sent no
             # notification we could see: fetch once more before sleeping (a `celery inspect`
             # reply can arrive within milliseconds of the request).
-            return
+            return True
         wake = self._ensure_wake_pair()[0]
         fds: list[Any] = [wake] if listener is None else [wake, listener.pgconn.socket]
         end = time.monotonic() + seconds
         wanted = self._consumed_queues()
         sched = scheduled_channel(self.options.schema)
+        notified = False
         self._waiting = True
         try:
             while True:
                 remaining = end - time.monotonic()
                 if remaining <= 0:
-                    return
+                    return notified
                 readable, _, _ = select.select(fds, [], [], remaining)
                 if not readable:
-                    return
+                    return notified
                 if wake in readable:
                     self._drain_wake_pipe(wake)
-                    return
+                    return True
                 if listener is None:
                     continue
                 queues, scheduled = self._notified(listener, wanted, sched)
-                if scheduled:
-                    return
+                if scheduled and not queues:
+                    return notified  # its due time moved _next_promote: wait anew until then
                 if queues:
                     # As in the event loop: a notification's fetch waits until the cooldown
                     # after the previous fetch, and takes what was announced meanwhile too.
                     self._wake_seq += 1
                     left = self._cooldown_left()
                     if left <= 0:
-                        return
+                        return True
+                    notified = True
                     end = min(end, time.monotonic() + left)
         finally:
             self._waiting = False

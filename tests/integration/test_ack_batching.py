@@ -148,8 +148,121 @@ def test_blocking_consumer_acks_ride_along_with_the_next_fetch(db_url: str) -> N
         assert _statuses(db_url) == ["completed", "completed", "running"]
         received[2].ack()  # type: ignore[attr-defined]
         with contextlib.suppress(TimeoutError):
-            conn.drain_events(timeout=0.2)  # nothing left: the ack is written before waiting
+            conn.drain_events(timeout=0.2)  # nothing left: the ack is written within 5 ms
         assert _statuses(db_url) == ["completed"] * 3
+
+
+def test_a_blocking_consumer_in_a_stream_fetches_once_per_notification_with_the_acks(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, fetch_sends: list[tuple[float, int]]
+) -> None:
+    """Once a fetch drained the queue, the next ``drain_events`` waits for a notification
+    instead of fetching at once; the acks of the batch just delivered ride along with the
+    notification's fetch: a message at a time costs one statement, not two."""
+    from kombu_pgskip import transport as transport_module
+
+    monkeypatch.setattr(transport_module, "ACK_FLUSH_DELAY", 1.0)  # longer than the gaps
+    queue = Queue("stream", Exchange("stream"), "stream")
+    options = {"polling_interval": 30, "fetch_cooldown": 0}
+    with (
+        Connection(_broker(db_url), transport_options=options) as conn,
+        Connection(_broker(db_url)) as other,
+    ):
+        _publish(other, queue, 0)
+        _channel, received = _consuming(conn, queue, 10, ack=True)
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=0.2)  # LISTEN opened, the queue found empty
+        fetch_sends.clear()
+        for i in range(10):
+            publisher = threading.Timer(0.1, _publish, (other, queue, 1))
+            publisher.start()  # announced while this consumer waits
+            conn.drain_events(timeout=5)
+            publisher.join()
+            assert len(received) == i + 1
+        assert [acks for _, acks in fetch_sends] == [0] + [1] * 9, "one fetch per message"
+        assert _statuses(db_url) == ["completed"] * 9 + ["running"]
+
+
+def test_a_blocking_consumer_writes_its_acks_within_the_flush_delay_when_nothing_arrives(
+    db_url: str, fetch_sends: list[tuple[float, int]]
+) -> None:
+    """With nothing announced, the acks of the last batch wait ``ACK_FLUSH_DELAY`` for a
+    notification's fetch to carry them, then go with a fetch of their own."""
+    from kombu_pgskip.transport import ACK_FLUSH_DELAY
+
+    queue = Queue("quiet", Exchange("quiet"), "quiet")
+    with Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn:
+        _channel, received = _consuming(conn, queue, 10, ack=True)
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=0.2)  # LISTEN opened, the queue found empty
+        _publish(conn, queue, 1)
+        conn.drain_events(timeout=5)
+        assert len(received) == 1
+        assert _statuses(db_url) == ["running"]
+        sent = len(fetch_sends)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=1.0)
+        assert time.monotonic() - started >= 0.95
+        assert _statuses(db_url) == ["completed"]
+        assert len(fetch_sends) == sent + 1, "one fetch, for the ack, in a second"
+        at, acks = fetch_sends[-1]
+        assert acks == 1 and ACK_FLUSH_DELAY <= at - started < 0.5
+
+
+def test_a_drained_blocking_consumer_still_polls_for_messages_nothing_announced(
+    db_url: str,
+) -> None:
+    """A message that arrives without a notification (written by SQL of one's own here) is
+    fetched by the poll, ``polling_interval`` after the last fetch, across calls."""
+    queue = Queue("unannounced", Exchange("unannounced"), "unannounced")
+    with Connection(_broker(db_url), transport_options={"polling_interval": 0.5}) as conn:
+        _channel, received = _consuming(conn, queue, 10)
+        _publish(conn, queue, 1)
+        conn.drain_events(timeout=5)
+        assert len(received) == 1
+        with psycopg.connect(db_url, autocommit=True) as c:
+            c.execute(
+                "INSERT INTO pgskip.jobs (queue, payload)"
+                " SELECT queue, payload FROM pgskip.jobs LIMIT 1"
+            )
+        started = time.monotonic()
+        while len(received) < 2 and time.monotonic() - started < 5:
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.1)  # shorter than the poll: calls come and go
+        assert len(received) == 2
+        assert time.monotonic() - started < 1.5
+
+
+def test_a_notification_read_by_a_call_that_times_out_is_fetched_by_the_next(
+    db_url: str,
+) -> None:
+    """``drain_events(timeout=0)`` within the cooldown reads the notification but may not
+    fetch yet; the fetch is owed, and the next call sends it at once instead of waiting for
+    the poll."""
+    queue = Queue("owed", Exchange("owed"), "owed")
+    options = {"polling_interval": 30, "fetch_cooldown": 0.5, "fetch_cooldown_max": 0.5}
+    with (
+        Connection(_broker(db_url), transport_options=options) as conn,
+        Connection(_broker(db_url)) as other,
+    ):
+        _publish(other, queue, 0)
+        _channel, received = _consuming(conn, queue, 10)
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=0.7)  # LISTEN opened, the queue found empty
+        listener = conn.transport._listener
+        assert listener is not None
+        _publish(other, queue, 1)
+        conn.drain_events(timeout=5)  # a fetch just now: the next waits 0.5 s
+        assert len(received) == 1
+        _publish(other, queue, 1)
+        select.select([listener.pgconn.socket], [], [], 5)
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0)
+        assert len(received) == 1
+        started = time.monotonic()
+        conn.drain_events(timeout=5)
+        assert len(received) == 2
+        assert time.monotonic() - started < 0.3, "at once: neither the poll nor the cooldown"
 
 
 def test_a_blocking_consumer_fetches_on_a_connection_of_its_own_with_the_generic_plan(
@@ -595,14 +708,19 @@ def test_a_blocking_consumer_adapts_its_cooldown_as_the_event_loop_does(
         assert values == [0.02, 0.04, 0.08, 0.08], "doubled per empty notified fetch, capped"
 
         fetch_sends.clear()
+        _publish(other, queue, 1)
+        conn.drain_events(timeout=5)  # fetched for it: a fetch just now
+        assert len(received) == 1
+        assert cooldown.value == pytest.approx(0.072), (
+            "a notified fetch that took a row shortens it"
+        )
         publisher = threading.Timer(0.02, _publish, (other, queue, 1))
         publisher.start()  # announced while this consumer waits, within its cooldown
         conn.drain_events(timeout=5)
         publisher.join()
-        assert len(received) == 1
+        assert len(received) == 2
         sends = [t for t, _ in fetch_sends]
-        assert len(sends) == 2 and sends[1] - sends[0] >= 0.075, "waited out the cooldown"
-        assert cooldown.value < 0.08, "a notified fetch that took a row shortens it"
+        assert len(sends) == 2 and sends[1] - sends[0] >= 0.07, "waited out the cooldown"
 
         shrinking = [cooldown.value]
         for i in range(25):
@@ -610,7 +728,7 @@ def test_a_blocking_consumer_adapts_its_cooldown_as_the_event_loop_does(
             publisher.start()  # announced while this consumer waits
             conn.drain_events(timeout=5)
             publisher.join()
-            assert len(received) == 2 + i
+            assert len(received) == 3 + i
             received[-1].ack()
             shrinking.append(cooldown.value)
         assert shrinking == sorted(shrinking, reverse=True)
