@@ -1224,6 +1224,11 @@ class Transport(virtual.Transport):
         # queues, so the next one waits for a notification before fetching.
         self._drained = False
         self._poll_at = 0.0  # outside an event loop: when to fetch for want of a notification
+        # Outside an event loop: whether, lately, a notification came within ACK_FLUSH_DELAY
+        # of a drain_events call that had acks to write (then they wait to ride along), and
+        # when this call first read one.
+        self._ack_wait_pays = True
+        self._notified_at: float | None = None
         # A wake-up that asks for a fetch (not only for acks to be written), and an ack
         # flush already scheduled on the loop (see Channel._ack_queued).
         self._fetch_wanted = False
@@ -1361,7 +1366,8 @@ class Transport(virtual.Transport):
         is sent for a notification (once ``fetch_cooldown`` has passed), a scheduled message
         falling due, a wake-up from another thread, or the poll, as in the event loop: not at
         the start of every call. The acks of the batch just delivered ride along with that
-        fetch, or with one sent ``ACK_FLUSH_DELAY`` after the call began.
+        fetch, or with one sent ``ACK_FLUSH_DELAY`` after the call began; when notifications
+        have lately come further apart than that, they go at once, with a fetch.
         """
         if self._pid != os.getpid():
             self._pid = os.getpid()
@@ -1371,12 +1377,20 @@ class Transport(virtual.Transport):
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         fetch_at: float | None = start  # when to fetch; None: at a wake-up or the poll
+        learning = False  # whether this call tells if holding its acks back pays
         if self._drained:
             fetch_at = None
             if self._pending():
                 self._drained = False  # owed to the notification even if this call times out
                 fetch_at = start + max(0.0, self._cooldown_left())
+            elif self._acks_waiting():
+                learning = True
+                if not self._ack_wait_pays:
+                    # Lately no notification came within ACK_FLUSH_DELAY of a call: messages
+                    # come further apart than that, so the acks go at once, with a fetch.
+                    fetch_at = start
         ack_due = start + ACK_FLUSH_DELAY
+        self._notified_at = None
         while True:
             now = time.monotonic()
             if now >= self._next_promote and self._promote(now):
@@ -1405,8 +1419,16 @@ class Transport(virtual.Transport):
                 if now >= deadline:
                     raise TimeoutError()
                 wait = min(wait, deadline - now)
-            if self._wait(max(0.0, wait)) or (acks_waiting and time.monotonic() >= ack_due):
-                fetch_at = time.monotonic()  # a fetch carries the waiting acks too
+            woken = self._wait(max(0.0, wait))
+            now = time.monotonic()
+            if learning and (self._notified_at is not None or now >= ack_due):
+                # Did a notification come while the acks could wait for its fetch? (When it
+                # came, not when the cooldown let its fetch go.)
+                notified_at = self._notified_at
+                self._ack_wait_pays = notified_at is not None and notified_at <= ack_due
+                learning = False
+            if woken or (acks_waiting and now >= ack_due):
+                fetch_at = now  # a fetch carries the waiting acks too
 
     def _pending(self) -> bool:
         """Whether notifications for consumed queues came in since the last wait; read
@@ -1531,6 +1553,8 @@ class Transport(virtual.Transport):
                     # As in the event loop: a notification's fetch waits until the cooldown
                     # after the previous fetch, and takes what was announced meanwhile too.
                     self._wake_seq += 1
+                    if self._notified_at is None:
+                        self._notified_at = time.monotonic()
                     left = self._cooldown_left()
                     if left <= 0:
                         return True

@@ -133,6 +133,37 @@ def _consuming(
     return channel, received
 
 
+@contextlib.contextmanager
+def _listening(
+    db_url: str, queue: Queue, options: dict[str, Any]
+) -> Iterator[tuple[Connection, Connection, list[Any]]]:
+    """A blocking consumer of ``queue`` (prefetch 10, each body acked on arrival) whose LISTEN
+    is open and whose queue was found empty; a second connection to publish from; the bodies
+    received."""
+    with (
+        Connection(_broker(db_url), transport_options=options) as conn,
+        Connection(_broker(db_url)) as other,
+    ):
+        _publish(other, queue, 0)
+        _channel, received = _consuming(conn, queue, 10, ack=True)
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=0.2)
+        yield conn, other, received
+
+
+def _announced_while_waiting(
+    conn: Connection, other: Connection, queue: Queue, after: float
+) -> float:
+    """One message published from ``other`` ``after`` seconds into a ``drain_events`` call of
+    ``conn``, which delivers it; returns when the call began."""
+    publisher = threading.Timer(after, _publish, (other, queue, 1))
+    publisher.start()
+    started = time.monotonic()
+    conn.drain_events(timeout=5)
+    publisher.join()
+    return started
+
+
 def test_blocking_consumer_acks_ride_along_with_the_next_fetch(db_url: str) -> None:
     queue = Queue("blocking", Exchange("blocking"), "blocking")
     with Connection(_broker(db_url)) as conn:
@@ -163,20 +194,10 @@ def test_a_blocking_consumer_in_a_stream_fetches_once_per_notification_with_the_
     monkeypatch.setattr(transport_module, "ACK_FLUSH_DELAY", 1.0)  # longer than the gaps
     queue = Queue("stream", Exchange("stream"), "stream")
     options = {"polling_interval": 30, "fetch_cooldown": 0}
-    with (
-        Connection(_broker(db_url), transport_options=options) as conn,
-        Connection(_broker(db_url)) as other,
-    ):
-        _publish(other, queue, 0)
-        _channel, received = _consuming(conn, queue, 10, ack=True)
-        with contextlib.suppress(TimeoutError):
-            conn.drain_events(timeout=0.2)  # LISTEN opened, the queue found empty
+    with _listening(db_url, queue, options) as (conn, other, received):
         fetch_sends.clear()
         for i in range(10):
-            publisher = threading.Timer(0.1, _publish, (other, queue, 1))
-            publisher.start()  # announced while this consumer waits
-            conn.drain_events(timeout=5)
-            publisher.join()
+            _announced_while_waiting(conn, other, queue, 0.1)
             assert len(received) == i + 1
         assert [acks for _, acks in fetch_sends] == [0] + [1] * 9, "one fetch per message"
         assert _statuses(db_url) == ["completed"] * 9 + ["running"]
@@ -207,6 +228,40 @@ def test_a_blocking_consumer_writes_its_acks_within_the_flush_delay_when_nothing
         assert len(fetch_sends) == sent + 1, "one fetch, for the ack, in a second"
         at, acks = fetch_sends[-1]
         assert acks == 1 and ACK_FLUSH_DELAY <= at - started < 0.5
+
+
+def test_a_blocking_consumer_stops_holding_acks_back_while_messages_come_seldom(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, fetch_sends: list[tuple[float, int]]
+) -> None:
+    """Holding the acks back for ``ACK_FLUSH_DELAY`` pays only if a notification comes
+    meanwhile. Once one did not, the next calls send them at once with a fetch (no wake-up
+    spent on a timer); once one comes within the delay again, they wait to ride along."""
+    from kombu_pgskip import transport as transport_module
+
+    monkeypatch.setattr(transport_module, "ACK_FLUSH_DELAY", 0.05)
+    queue = Queue("seldom", Exchange("seldom"), "seldom")
+    options = {"polling_interval": 30, "fetch_cooldown": 0}
+    with _listening(db_url, queue, options) as (conn, other, received):
+
+        def step(after: float) -> tuple[float, list[tuple[float, int]]]:
+            sent = len(fetch_sends)
+            started = _announced_while_waiting(conn, other, queue, after)
+            return started, fetch_sends[sent:]
+
+        step(0.3)  # the first message: no acks yet
+        started, sends = step(0.3)
+        assert [acks for _, acks in sends] == [1, 0]
+        assert sends[0][0] - started >= 0.05, "held back for the delay, then sent alone"
+        for _ in range(3):
+            started, sends = step(0.3)
+            assert [acks for _, acks in sends] == [1, 0]
+            assert sends[0][0] - started < 0.05, "sent at once: waiting has not paid lately"
+        started, sends = step(0.01)  # a notification within the delay: waiting pays again
+        assert [acks for _, acks in sends] == [1, 0]
+        for _ in range(3):
+            started, sends = step(0.01)
+            assert [acks for _, acks in sends] == [1], "the ack rides with the message's fetch"
+        assert len(received) == 9
 
 
 def test_a_drained_blocking_consumer_still_polls_for_messages_nothing_announced(
