@@ -1439,8 +1439,6 @@ class Transport(virtual.Transport):
         queues, _scheduled = self._notified(
             listener, self._consumed_queues(), scheduled_channel(self.options.schema)
         )
-        if queues:
-            self._wake_seq += 1
         return bool(queues)  # a scheduled message's due time only moves _next_promote
 
     def _acks_waiting(self) -> bool:
@@ -1552,9 +1550,6 @@ class Transport(virtual.Transport):
                 if queues:
                     # As in the event loop: a notification's fetch waits until the cooldown
                     # after the previous fetch, and takes what was announced meanwhile too.
-                    self._wake_seq += 1
-                    if self._notified_at is None:
-                        self._notified_at = time.monotonic()
                     left = self._cooldown_left()
                     if left <= 0:
                         return True
@@ -1574,7 +1569,10 @@ class Transport(virtual.Transport):
     def _notified(
         self, listener: psycopg.Connection[Any], wanted: set[str], sched: str
     ) -> tuple[set[str], bool]:
-        """Consume pending notifications: (wanted queues that got messages, scheduled due)."""
+        """Consume pending notifications: (wanted queues that got messages, scheduled due).
+
+        Notifications for wanted queues count in ``_wake_seq`` (a fetch sent after them is a
+        notified one: ``Cooldown``) and set ``_notified_at`` if unset (``drain_events``)."""
         pgconn = listener.pgconn
         pgconn.consume_input()  # raises OperationalError if the server went away
         queues: set[str] = set()
@@ -1591,6 +1589,10 @@ class Transport(virtual.Transport):
                 scheduled = True
             elif payload in wanted:
                 queues.add(payload)
+        if queues:
+            self._wake_seq += 1
+            if self._notified_at is None:
+                self._notified_at = time.monotonic()
         return queues, scheduled
 
     # -- Celery's event loop (kombu hub) -------------------------------------------------------
@@ -1691,10 +1693,8 @@ class Transport(virtual.Transport):
         if scheduled:
             delay = max(0.0, self._next_promote - time.monotonic())
             self._loop.call_later(delay, self._async_drain)
-        if queues:
-            self._wake_seq += 1
-            if self._cooldown_left() <= 0:
-                self._async_drain(queues)
+        if queues and self._cooldown_left() <= 0:
+            self._async_drain(queues)
 
     def _cooldown_left(self) -> float:
         """Seconds until a notified fetch may be sent (``fetch_cooldown`` after the previous
