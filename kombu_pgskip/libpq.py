@@ -12,6 +12,7 @@ package already translates.
 from __future__ import annotations
 
 import re
+import select
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -91,7 +92,7 @@ class Statement:
     def run(self, conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> pq.abc.PGresult:
         """Execute with ``params`` (every placeholder's name) and return the result; a failed
         statement raises the psycopg exception for its SQLSTATE."""
-        values = [text_value(params[n]) for n in self.params]
+        values = self.values(params)
         with conn.lock:
             pgconn = conn.pgconn
             if not self.prepared:
@@ -106,17 +107,105 @@ class Statement:
             raise _error(conn, res)
         return res
 
+    def values(self, params: Mapping[str, Any]) -> list[bytes | None]:
+        """``params`` (every placeholder's name) in the statement's order, text format."""
+        return [text_value(params[n]) for n in self.params]
+
     def _exec_prepared(
         self, conn: psycopg.Connection[Any], values: list[bytes | None]
     ) -> pq.abc.PGresult:
-        pgconn = conn.pgconn
-        if self._prepared_on is not pgconn:
-            prep = pgconn.prepare(self.name, self.query)
-            if prep.status != pq.ExecStatus.COMMAND_OK and _sqlstate(prep) != b"42P05":
-                raise _error(conn, prep)  # 42P05: already prepared on this connection
-            self._prepared_on = pgconn
+        self._prepare(conn)
         # None is NULL here as in exec_params (psycopg's stub omits it).
-        return pgconn.exec_prepared(self.name, values)  # type: ignore[arg-type]
+        return conn.pgconn.exec_prepared(self.name, values)  # type: ignore[arg-type]
+
+    def _prepare(self, conn: psycopg.Connection[Any]) -> None:
+        """Prepare on ``conn`` unless already done (no-op for unprepared statements)."""
+        pgconn = conn.pgconn
+        if not self.prepared or self._prepared_on is pgconn:
+            return
+        prep = pgconn.prepare(self.name, self.query)
+        if prep.status != pq.ExecStatus.COMMAND_OK and _sqlstate(prep) != b"42P05":
+            raise _error(conn, prep)  # 42P05: already prepared on this connection
+        self._prepared_on = pgconn
+
+    def _send(self, pgconn: pq.abc.PGconn, values: list[bytes | None]) -> None:
+        if self.prepared:
+            pgconn.send_query_prepared(self.name, values)
+        else:
+            pgconn.send_query_params(self.query, values)
+
+
+def run_each(
+    conn: psycopg.Connection[Any], steps: Sequence[tuple[Statement, Mapping[str, Any]]]
+) -> list[pq.abc.PGresult]:
+    """Run each statement in a transaction of its own, in order, in one round trip.
+
+    The statements go down a libpq pipeline with a Sync after each, so every one commits (or
+    fails) before the next starts, and a failed one does not stop the ones after it. Returns
+    one result per statement once all have run; then the first failed one raises, as
+    :meth:`Statement.run` does. ``conn`` must be in autocommit mode and outside a transaction.
+    Needs libpq >= 14 (``psycopg.Pipeline.is_supported()``).
+    """
+    with conn.lock:
+        results = _run_pipeline(conn, steps)
+        if any(
+            r.status not in _OK and _sqlstate(r) == b"26000" for r in results
+        ):  # a statement deallocated behind our back (DISCARD ALL): prepare again, run again
+            for statement, _ in steps:
+                statement._prepared_on = None
+            results = _run_pipeline(conn, steps)
+    for res in results:
+        if res.status not in _OK:
+            raise _error(conn, res)
+    return results
+
+
+def _run_pipeline(
+    conn: psycopg.Connection[Any], steps: Sequence[tuple[Statement, Mapping[str, Any]]]
+) -> list[pq.abc.PGresult]:
+    pgconn = conn.pgconn
+    for statement, _ in steps:
+        statement._prepare(conn)
+    values = [statement.values(params) for statement, params in steps]
+    try:
+        pgconn.enter_pipeline_mode()
+        for (statement, _), vals in zip(steps, values, strict=True):
+            statement._send(pgconn, vals)
+            pgconn.pipeline_sync()
+        while pgconn.flush():  # 1 while data remains to be sent: rare for small statements
+            select.select([], [pgconn.socket], [], 1.0)
+        results = [_pipeline_result(pgconn) for _ in steps]
+        pgconn.exit_pipeline_mode()
+    except BaseException:
+        # Lost, or interrupted with results unread: the connection's state is unknown, so it
+        # is closed (psycopg then reports it closed and the owner opens a new one).
+        conn.close()
+        raise
+    return results
+
+
+def _pipeline_result(pgconn: pq.abc.PGconn) -> pq.abc.PGresult:
+    """The result of the next statement in the pipeline, up to and including its Sync."""
+    result: pq.abc.PGresult | None = None
+    ended = False
+    while True:
+        # Wait in select(), which lets other threads run meanwhile; get_result() would not.
+        while pgconn.is_busy():
+            select.select([pgconn.socket], [], [])
+            pgconn.consume_input()
+        res = pgconn.get_result()
+        if res is None:
+            if ended or pgconn.status != pq.ConnStatus.OK:  # a healthy pipeline has its Sync next
+                raise connection_error(pgconn, pgconn.get_error_message() or "connection lost")
+            ended = True  # the end of a statement's results; its Sync follows
+            continue
+        ended = False
+        if res.status == pq.ExecStatus.PIPELINE_SYNC:
+            if result is None:
+                raise connection_error(pgconn, "no result before the pipeline's sync")
+            return result
+        if result is None:
+            result = res
 
 
 def _sqlstate(res: pq.abc.PGresult) -> bytes | None:

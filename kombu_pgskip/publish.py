@@ -112,7 +112,13 @@ class _CallerStore(Store):
     """The broker's statements, run on the caller's connection through an :class:`Adapter`."""
 
     def __init__(self, adapter: Adapter, *, schema: str) -> None:
-        super().__init__(f"caller's {adapter.driver} connection", schema=schema, check=False)
+        # The NOTIFY stays in the caller's transaction: only that makes a rollback wake nobody.
+        super().__init__(
+            f"caller's {adapter.driver} connection",
+            schema=schema,
+            check=False,
+            notify_after_commit=False,
+        )
         self.adapter = adapter
 
     def __repr__(self) -> str:

@@ -1,10 +1,11 @@
 """Every database operation of the broker, by name.
 
 A :class:`Store` owns one psycopg connection in autocommit mode: each operation is one statement
-and one transaction, so a crash between two operations leaves every row in a state the sweeper
-understands. The connection is opened lazily, dropped (never closed) in a forked child, and
-reopened after it broke. psycopg serialises concurrent use of one connection, so acks from pool
-threads and fetches from the consumer thread can share it.
+and one transaction (a durable publish is two: the insert, then its NOTIFY), so a crash between
+two operations leaves every row in a state the sweeper understands. The connection is opened
+lazily, dropped (never closed) in a forked child, and reopened after it broke. psycopg
+serialises concurrent use of one connection, so acks from pool threads and fetches from the
+consumer thread can share it.
 
 Subclasses can run the same statements on a connection that belongs to someone else (the
 caller's transaction) by overriding :meth:`Store.run`; such a store must never commit, roll back
@@ -24,9 +25,10 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg import pq
 
 from . import exceptions
-from .libpq import Statement
+from .libpq import Statement, run_each
 from .migrate import check_schema
 from .sql import queries_for, queries_in
 from .urls import Connection, connect, mask_url
@@ -107,13 +109,21 @@ class Store:
         schema: str = "pgskip",
         check: bool = True,
         asynchronous_commit: bool = False,
+        notify_after_commit: bool = True,
         **connect_kwargs: Any,
     ):
         """``asynchronous_commit`` sets ``synchronous_commit = off`` for this connection's
         session: commits return before their WAL is flushed. Only for statements whose loss in
-        a server crash is harmless (fetches and acks: a lost one means a redelivery)."""
+        a server crash is harmless (fetches and acks: a lost one means a redelivery).
+
+        ``notify_after_commit``: a single-message publish sends its NOTIFY in a transaction of
+        its own right after the insert's (see :meth:`publish`). Moot with
+        ``asynchronous_commit``, whose commits do not wait for a flush."""
         self.url = url
         self._asynchronous_commit = asynchronous_commit
+        self._notify_after_commit = (
+            notify_after_commit and not asynchronous_commit and psycopg.Pipeline.is_supported()
+        )
         self.schema = schema
         self.q = queries_for(schema)
         self.channel = notify_channel(schema)
@@ -222,24 +232,50 @@ class Store:
         """As :meth:`execute` through libpq (:mod:`kombu_pgskip.libpq`): the values come back
         as text. For the statements run once per message, where psycopg's own overhead is a
         measurable share of the time."""
+        with exceptions.translating(url_for_messages=self._masked_url):
+            res = self._statement(name).run(self.conn, params)
+        return _text_rows(res)
+
+    def _statement(self, name: str) -> Statement:
         statement = self._direct.get(name)
         if statement is None:
             text = self.q[name].as_string(None)
             statement = self._direct[name] = Statement(name, text, prepared=self._prepared)
-        with exceptions.translating(url_for_messages=self._masked_url):
-            res = statement.run(self.conn, params)
-        value = res.get_value
-        return [
-            tuple(None if (v := value(i, j)) is None else v.decode() for j in range(res.nfields))
-            for i in range(res.ntuples)
-        ]
+        return statement
 
     # -- publishing ------------------------------------------------------------------------------
 
     def publish(self, message: NewMessage) -> int:
+        """Insert one message into its queue, committed when this returns; returns its id.
+
+        The NOTIFY that wakes the queue's consumers goes in a transaction of its own, sent
+        right behind the insert's in the same round trip (``announce``). PostgreSQL takes one
+        lock for the whole cluster when a transaction that notified commits and holds it
+        until the commit's WAL is flushed, so notifying inside the insert's transaction would
+        let only one durable publish commit at a time, whatever the number of publishers; a
+        transaction that only notifies writes no WAL and holds that lock briefly. Nothing is
+        lost if the announcement never comes (its connection dies in between): consumers find
+        the row at their next poll. Each publish then takes two transaction ids.
+        """
         params = message.params()
         params.update(self._channels)
-        return int(self.execute_direct("publish", params)[0][0] or 0)
+        rows = self._insert_announced("insert_message", "publish", params)
+        return int(rows[0][0] or 0)
+
+    def _insert_announced(
+        self, insert: str, with_notify: str, params: dict[str, Any]
+    ) -> list[tuple[str | None, ...]]:
+        """``insert`` then ``announce`` as :meth:`publish` describes; or the single statement
+        ``with_notify`` (the insert with its NOTIFY) where that split does not apply: with
+        asynchronous commits, or inside a transaction (:meth:`publish_many`'s)."""
+        if not self._notify_after_commit:
+            return self.execute_direct(with_notify, params)
+        conn = self.conn
+        if conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
+            return self.execute_direct(with_notify, params)
+        steps = [(self._statement(insert), params), (self._statement("announce"), params)]
+        with exceptions.translating(url_for_messages=self._masked_url):
+            return _text_rows(run_each(conn, steps)[0])
 
     def publish_many(self, messages: Sequence[NewMessage]) -> list[int]:
         """Insert ``messages`` with as few statements as their size allows, all or none.
@@ -303,7 +339,7 @@ class Store:
         if remembered is not None:
             queue, epoch = remembered
             params.update(queue=queue, epoch=epoch)
-            if self.execute_direct("publish_remembered", params):
+            if self._insert_announced("insert_remembered", "publish_remembered", params):
                 return [queue]
             self._routes.pop(key, None)  # routing changed since: route afresh below
         params.update(exchange=exchange, routing_key=routing_key, queues=list(queues))
@@ -575,6 +611,15 @@ ROUTE_CACHE_SIZE = 1024
 #: Most messages (and payload bytes) ``publish_many`` writes with one statement.
 PUBLISH_MANY_CHUNK = 5_000
 PUBLISH_MANY_BYTES = 16 * 1024 * 1024
+
+
+def _text_rows(res: pq.abc.PGresult) -> list[tuple[str | None, ...]]:
+    """A libpq text-format result as rows of strings (None for NULL)."""
+    value = res.get_value
+    return [
+        tuple(None if (v := value(i, j)) is None else v.decode() for j in range(res.nfields))
+        for i in range(res.ntuples)
+    ]
 
 
 def publish_chunks(messages: Sequence[NewMessage]) -> list[Sequence[NewMessage]]:

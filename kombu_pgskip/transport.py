@@ -84,6 +84,12 @@ option                        default    meaning
 ``durable_publish``           True       False: publishes commit with ``synchronous_commit =
                                          off`` (faster; a PostgreSQL crash can lose publishes
                                          acknowledged in the last ~0.6 s; opt-in only)
+``notify_after_commit``       True       a durable publish sends its NOTIFY in a transaction
+                                         of its own, behind the insert's in the same round
+                                         trip, so concurrent publishers' commits are not
+                                         serialised by PostgreSQL's cluster-wide NOTIFY lock
+                                         (two transaction ids per publish). False: the NOTIFY
+                                         in the insert's transaction (one id)
 ``xmin_horizon_warning``      300.0      log a WARNING naming the session, prepared transaction
                                          or replication slot that has held the database's xmin
                                          horizon this many seconds (dead rows cannot be
@@ -175,6 +181,7 @@ class Options:
     synchronous_acks: bool = False
     async_fetch: bool = True
     durable_publish: bool = True
+    notify_after_commit: bool = True
     xmin_horizon_warning: float = 300.0
     prepared_statements: bool = True
     fetch_cooldown: float = 0.002
@@ -1270,6 +1277,7 @@ class Transport(virtual.Transport):
             schema=self.options.schema,
             check=self.options.check_schema,
             asynchronous_commit=not self.options.durable_publish,
+            notify_after_commit=self.options.notify_after_commit,
             **self.options.connect_kwargs,
         )
 

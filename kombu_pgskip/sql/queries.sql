@@ -22,6 +22,25 @@ i AS ({@insert_one}
 SELECT i.id, {@wake}
   FROM i;
 
+-- insert_message: as publish without its NOTIFY, for a durable publish: Store.publish sends announce in a transaction of its own right after this one, in the same round trip, so that PostgreSQL's cluster-wide NOTIFY lock is not held while this commit waits for its WAL flush; returns the id
+WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
+i AS ({@insert_one}
+    RETURNING id)
+SELECT i.id
+  FROM i;
+
+-- insert_remembered: as publish_remembered without its NOTIFY, followed by announce (as insert_message)
+WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
+i AS ({@insert_one}
+     WHERE %(epoch)s::bigint = (SELECT n FROM {schema}.routing_epoch)
+    RETURNING id)
+SELECT i.id
+  FROM i;
+
+-- announce: the NOTIFY of one message written by insert_message or insert_remembered, from the message's own values (the publisher knows them): its queue if pending, else its due time on the scheduled channel, as {@wake} sends them. A transaction that only notifies writes no WAL of its own, so its commit does not wait for a flush
+SELECT CASE WHEN %(status)s::text = 'pending' THEN pg_notify(%(channel)s, %(queue)s)
+            ELSE pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text) END;
+
 -- insert_one: (fragment, included as {@insert_one} after a CTE q of the queue's max_priority and message_ttl) the insert of publish, to be followed by RETURNING id, queue, status (what {@wake} needs; only columns a publisher role may read)
 INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
 SELECT %(queue)s,

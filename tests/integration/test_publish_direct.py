@@ -114,9 +114,9 @@ def test_direct_publish_prepares_again_after_a_reconnect(db_url: str) -> None:
         second = store.publish(_row("q"))
         assert second > first
         prepared = store.conn.execute(
-            "SELECT name FROM pg_prepared_statements WHERE name = 'pgskip_publish'"
+            "SELECT name FROM pg_prepared_statements WHERE name LIKE 'pgskip_%' ORDER BY name"
         ).fetchall()
-        assert prepared == [("pgskip_publish",)]
+        assert prepared == [("pgskip_announce",), ("pgskip_insert_message",)]
     finally:
         store.close()
 

@@ -28,10 +28,11 @@ def _counts(db_url: str) -> dict[str, int]:
 
 
 def _executions(store: Store) -> dict[str, int]:
-    """How many times each of the store's prepared publish statements ran (by its connection)."""
+    """How many times each of the store's prepared publish statements ran (by its connection):
+    ``insert_remembered`` is the remembered route's insert, whose NOTIFY follows on its own."""
     rows = store.conn.execute(
         "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements"
-        " WHERE name IN ('pgskip_publish_remembered', 'pgskip_publish_routed')"
+        " WHERE name IN ('pgskip_insert_remembered', 'pgskip_publish_routed')"
     )
     return {str(r[0]).removeprefix("pgskip_"): int(r[1]) for r in rows}
 
@@ -67,7 +68,7 @@ def test_a_second_publish_to_the_same_route_skips_routing(connections: Any, db_u
         producer.publish({"i": i}, declare=[ex])
     assert _counts(db_url) == {"q1": 3}
     store = caller.default_channel.store
-    assert _executions(store) == {"publish_routed": 1, "publish_remembered": 2}
+    assert _executions(store) == {"publish_routed": 1, "insert_remembered": 2}
 
 
 def test_a_binding_made_by_another_process_is_seen_by_the_next_publish(
@@ -244,9 +245,14 @@ def test_the_per_message_statements_are_planned_once(connections: Any) -> None:
         Producer(channel, routing_key="q1").publish({"i": i})
     rows = channel.store.conn.execute(
         "SELECT name, generic_plans, custom_plans FROM pg_prepared_statements"
-        " WHERE name LIKE 'pgskip_publish%'"
+        " WHERE name LIKE 'pgskip_%'"
     ).fetchall()
     plans = {str(r[0]): (int(r[1]), int(r[2])) for r in rows}
-    assert set(plans) == {"pgskip_publish", "pgskip_publish_remembered", "pgskip_publish_routed"}
+    assert set(plans) == {
+        "pgskip_insert_message",
+        "pgskip_insert_remembered",
+        "pgskip_announce",
+        "pgskip_publish_routed",
+    }
     for name, (generic, custom) in plans.items():
         assert generic >= 6 and custom <= 5, (name, generic, custom)

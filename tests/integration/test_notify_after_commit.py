@@ -1,0 +1,174 @@
+"""A durable publish sends its NOTIFY in a transaction of its own, after the insert's.
+
+PostgreSQL takes one lock for the whole cluster when a transaction that notified commits, and
+holds it until that commit is flushed and, under synchronous replication, confirmed by a
+standby. A publish that notified inside its insert's transaction therefore let only one durable
+publish in the cluster commit at a time. These tests make a commit wait for a standby that never
+comes (``synchronous_standby_names``) on a private server, and look at who else can notify
+meanwhile; they also pin what the split costs (two transaction ids per publish) and what it
+keeps (a publish inside a transaction still notifies at that transaction's commit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from kombu_pgskip.embedded import EmbeddedPostgres, find_bindir
+from kombu_pgskip.envelope import to_row
+from kombu_pgskip.migrate import migrate
+from kombu_pgskip.store import NewMessage, Store, notify_channel
+
+
+def _row(queue: str = "q", task_id: str = "id-1") -> NewMessage:
+    message = {
+        "body": json.dumps({"x": 1}),
+        "headers": {"task": "t", "id": task_id},
+        "properties": {"priority": 0, "delivery_info": {}},
+    }
+    return to_row(queue, message, eta_threshold=60, max_message_size=10**6)
+
+
+@pytest.fixture(scope="module")
+def private_url() -> Iterator[str]:
+    """A server of this module's own: its commits are made to wait for a standby, and its
+    transaction ids are counted, which other tests' sessions must not disturb."""
+    try:
+        find_bindir()
+    except RuntimeError as exc:
+        pytest.fail(f"these tests start a PostgreSQL server of their own: {exc}")
+    with EmbeddedPostgres(fsync=False, pg_cron=False) as pg:
+        url = pg.dsn()
+        migrate(url)
+        yield url
+
+
+def _require_standby(url: str, required: bool, *sessions: psycopg.Connection[Any]) -> None:
+    """Make commits wait for a standby named "nobody" (or stop that), and wait until the
+    reload reached ``sessions`` (each backend reads the new setting at its next command)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        if required:
+            conn.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
+        else:
+            conn.execute("ALTER SYSTEM RESET synchronous_standby_names")
+        conn.execute("SELECT pg_reload_conf()")
+        want = "nobody" if required else ""
+        deadline = time.monotonic() + 10
+        for session in (conn, *sessions):
+            while session.execute("SHOW synchronous_standby_names").fetchone() != (want,):
+                assert time.monotonic() < deadline, "the reload did not take effect"
+                time.sleep(0.05)
+
+
+def _wait_for_standby_wait(url: str, pid: int) -> None:
+    """Until backend ``pid`` waits for the standby's confirmation of its commit."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        deadline = time.monotonic() + 10
+        while True:
+            event = conn.execute(
+                "SELECT wait_event, state, query FROM pg_stat_activity WHERE pid = %s", (pid,)
+            ).fetchone()
+            if event is not None and event[0] == "SyncRep":
+                return
+            assert time.monotonic() < deadline, f"backend {pid} never waited for a standby: {event}"
+            time.sleep(0.02)
+
+
+@pytest.mark.parametrize("after_commit", [True, False], ids=["after-commit", "in-transaction"])
+def test_a_publish_waiting_for_its_commit_lets_others_notify(
+    private_url: str, after_commit: bool
+) -> None:
+    store = Store(private_url, notify_after_commit=after_commit)
+    listener = psycopg.connect(private_url, autocommit=True)
+    listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
+    store.publish(_row("warm"))  # connected and prepared before commits have to wait
+    assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["warm"]
+    published: list[Any] = []
+    thread = threading.Thread(target=lambda: published.append(store.publish(_row("slow"))))
+    _require_standby(private_url, True, store.conn)
+    try:
+        thread.start()
+        _wait_for_standby_wait(private_url, store.conn.info.backend_pid)
+        # Another session notifies (as another publisher's announcement would) while the
+        # publish waits for the standby; lock_timeout turns a wait for the lock into an error.
+        with psycopg.connect(private_url, autocommit=True, options="-c lock_timeout=2000") as other:
+            if after_commit:
+                other.execute("NOTIFY elsewhere")
+            else:
+                with pytest.raises(psycopg.errors.LockNotAvailable):
+                    other.execute("NOTIFY elsewhere")
+    finally:
+        _require_standby(private_url, False)
+        thread.join(10)
+    try:
+        assert not thread.is_alive()
+        assert len(published) == 1 and published[0] > 0
+        # The publish still wakes the queue's consumers once its row is committed.
+        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["slow"]
+    finally:
+        listener.close()
+        store.close()
+
+
+@pytest.mark.parametrize(("after_commit", "per_publish"), [(True, 2), (False, 1)])
+def test_transaction_ids_per_publish(
+    private_url: str, after_commit: bool, per_publish: int
+) -> None:
+    store = Store(private_url, notify_after_commit=after_commit)
+    try:
+        store.publish(_row())
+        (before,) = store.conn.execute("SELECT txid_current()").fetchone() or (0,)
+        for _ in range(10):
+            store.publish(_row())
+        (after,) = store.conn.execute("SELECT txid_current()").fetchone() or (0,)
+        # The ids between the two txid_current() calls: 10 publishes.
+        assert after - before - 1 == 10 * per_publish
+    finally:
+        store.close()
+
+
+def test_a_publish_inside_a_transaction_notifies_at_its_commit(db_url: str) -> None:
+    store = Store(db_url)
+    listener = psycopg.connect(db_url, autocommit=True)
+    listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
+    try:
+        with store.conn.transaction():
+            row_id = store.publish(_row("in-tx"))
+            assert list(listener.notifies(timeout=0.3)) == []
+        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["in-tx"]
+        with store.conn.transaction():
+            store.publish(_row("rolled-back"))
+            raise psycopg.Rollback()
+        assert list(listener.notifies(timeout=0.3)) == []
+        count = store.conn.execute(
+            "SELECT count(*) FROM pgskip.jobs WHERE queue = 'rolled-back'"
+        ).fetchone()
+        assert row_id > 0 and count == (0,)
+    finally:
+        listener.close()
+        store.close()
+
+
+def test_a_failed_insert_leaves_the_connection_usable(db_url: str) -> None:
+    """The insert fails on the server (its payload is not JSON) while its announcement, the
+    next transaction in the same round trip, runs anyway: the error is raised, nothing is
+    written, and the connection serves the next publish."""
+    store = Store(db_url)
+    try:
+        good = _row(task_id="good")
+        store.publish(good)
+        bad = dataclasses.replace(good, payload="{not json", task_id="bad")
+        with pytest.raises(psycopg.errors.InvalidTextRepresentation, match="json"):
+            store.publish(bad)
+        assert store.publish(_row(task_id="after")) > 0
+        ids = store.conn.execute("SELECT task_id FROM pgskip.jobs ORDER BY id").fetchall()
+        assert ids == [("good",), ("after",)]
+    finally:
+        store.close()
