@@ -51,3 +51,28 @@ def test_publish_many_through_pgbouncer_is_one_transaction(
             "SELECT count(*), count(DISTINCT xmin::text) FROM pgskip.jobs WHERE queue = 'bounced'"
         ).fetchone()
     assert rows == (600, 2)  # two calls, two transactions
+
+
+def test_single_publishes_through_pgbouncer_commit_one_by_one(
+    pgbouncer: PgBouncer, db_url: str
+) -> None:
+    """A durable publish sends its insert and its NOTIFY as two transactions down one
+    pipeline (notify_after_commit): PgBouncer in transaction pooling may run them on different
+    server connections; each message is still written once, in a transaction of its own, and
+    its announcement reaches a listener on the server."""
+    broker = pgbouncer.url_for(db_url).replace("postgresql://", "pgskip://", 1)
+    options = {"prepared_statements": False, "listen": False}
+    with psycopg.connect(db_url, autocommit=True) as listener:
+        listener.execute('LISTEN "pgskip:pgskip"')
+        with Connection(broker, transport_options=options) as conn:
+            producer = conn.Producer()
+            Queue("bounced-one")(conn.default_channel).declare()
+            for n in range(200):
+                producer.publish({"n": n}, routing_key="bounced-one")
+        woken = [n.payload for n in listener.notifies(timeout=5, stop_after=200)]
+        rows = listener.execute(
+            "SELECT count(*), count(DISTINCT xmin::text) FROM pgskip.jobs"
+            " WHERE queue = 'bounced-one'"
+        ).fetchone()
+    assert rows == (200, 200)
+    assert woken == ["bounced-one"] * 200
