@@ -143,16 +143,27 @@ def publish_breakdown(
     out["celery_kombu_memory_us"] = round(1e6 * (time.perf_counter() - t0) / n, 1)
     mem.close()
 
+    # The per-message statements: _insert_announced (the insert and its NOTIFY, or the single
+    # statement with asynchronous commits, which it runs through execute_direct) and
+    # execute_direct (routing); a call inside another is counted once.
     orig_run = store_mod.Store.execute_direct
+    orig_announced = store_mod.Store._insert_announced
     orig_to_row = transport_mod.to_row
     acc = {"sql": 0.0, "to_row": 0.0}
+    depth = [0]
 
-    def timed_run(self: Any, name: str, params: Any) -> Any:
-        c0 = time.perf_counter()
-        try:
-            return orig_run(self, name, params)
-        finally:
-            acc["sql"] += time.perf_counter() - c0
+    def timed(orig: Any) -> Any:
+        def run(self: Any, *args: Any) -> Any:
+            depth[0] += 1
+            c0 = time.perf_counter()
+            try:
+                return orig(self, *args)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    acc["sql"] += time.perf_counter() - c0
+
+        return run
 
     def timed_to_row(*a: Any, **kw: Any) -> Any:
         c0 = time.perf_counter()
@@ -161,7 +172,8 @@ def publish_breakdown(
         finally:
             acc["to_row"] += time.perf_counter() - c0
 
-    store_mod.Store.execute_direct = timed_run  # type: ignore[method-assign]
+    store_mod.Store.execute_direct = timed(orig_run)  # type: ignore[method-assign]
+    store_mod.Store._insert_announced = timed(orig_announced)  # type: ignore[method-assign]
     transport_mod.to_row = timed_to_row
     try:
         for broker in (pgskip, pgskip_async):
@@ -184,6 +196,7 @@ def publish_breakdown(
             app.close()
     finally:
         store_mod.Store.execute_direct = orig_run  # type: ignore[method-assign]
+        store_mod.Store._insert_announced = orig_announced  # type: ignore[method-assign]
         transport_mod.to_row = orig_to_row
 
     # The pgskip publish statement alone, as the transport runs it, with a real payload.

@@ -135,29 +135,31 @@ class Statement:
             pgconn.send_query_params(self.query, values)
 
 
-def run_each(
-    conn: psycopg.Connection[Any], steps: Sequence[tuple[Statement, Mapping[str, Any]]]
-) -> list[pq.abc.PGresult]:
-    """Run each statement in a transaction of its own, in order, in one round trip.
+def run_then(
+    conn: psycopg.Connection[Any],
+    first: tuple[Statement, Mapping[str, Any]],
+    then: tuple[Statement, Mapping[str, Any]],
+) -> tuple[pq.abc.PGresult, pq.abc.PGresult]:
+    """Run ``first`` in a transaction of its own, then ``then`` in another, in one round trip.
 
-    The statements go down a libpq pipeline with a Sync after each, so every one commits (or
-    fails) before the next starts, and a failed one does not stop the ones after it. Returns
-    one result per statement once all have run; then the first failed one raises, as
-    :meth:`Statement.run` does. ``conn`` must be in autocommit mode and outside a transaction.
-    Needs libpq >= 14 (``psycopg.Pipeline.is_supported()``).
+    Both go down a libpq pipeline with a Sync after each, so ``first`` has committed (or
+    failed) before ``then`` starts, and ``then`` runs either way. A failed ``first`` raises,
+    as :meth:`Statement.run` does; ``then``'s result is returned as it is, failed or not (by
+    then ``first`` has committed, so the caller decides what its failure means). ``conn``
+    must be in autocommit mode and outside a transaction; needs libpq >= 14.
     """
     with conn.lock:
-        results = _run_pipeline(conn, steps)
-        if any(
-            r.status not in _OK and _sqlstate(r) == b"26000" for r in results
-        ):  # a statement deallocated behind our back (DISCARD ALL): prepare again, run again
-            for statement, _ in steps:
-                statement._prepared_on = None
-            results = _run_pipeline(conn, steps)
-    for res in results:
-        if res.status not in _OK:
-            raise _error(conn, res)
-    return results
+        results = _run_pipeline(conn, (first, then))
+        if results[0].status not in _OK and _sqlstate(results[0]) == b"26000":
+            # first was deallocated behind our back (DISCARD ALL): it did not run, so running
+            # both again cannot write twice; then's may be gone too.
+            first[0]._prepared_on = then[0]._prepared_on = None
+            results = _run_pipeline(conn, (first, then))
+        if results[1].status not in _OK and _sqlstate(results[1]) == b"26000":
+            then[0]._prepared_on = None  # prepared again next time
+    if results[0].status not in _OK:
+        raise _error(conn, results[0])
+    return results[0], results[1]
 
 
 def _run_pipeline(

@@ -28,7 +28,7 @@ import psycopg
 from psycopg import pq
 
 from . import exceptions
-from .libpq import Statement, run_each
+from .libpq import Statement, run_then
 from .migrate import check_schema
 from .sql import queries_for, queries_in
 from .urls import Connection, connect, mask_url
@@ -133,6 +133,7 @@ class Store:
         self._check = check
         self._connect_kwargs = connect_kwargs
         self._conn: Connection | None = None
+        self._opening = threading.Lock()
         self._pid = os.getpid()
         # Statements run through libpq (execute_direct), prepared unless psycopg may not
         # prepare either (PgBouncer in transaction pooling mode).
@@ -150,20 +151,29 @@ class Store:
     @property
     def conn(self) -> Connection:
         if self._pid != os.getpid():
-            # Forked child: the parent's socket is not ours to use or to close.
+            # Forked child: the parent's socket is not ours to use or to close, nor is the
+            # state of its lock.
             self._conn = None
+            self._opening = threading.Lock()
             self._pid = os.getpid()
         conn = self._conn
         if conn is None or conn.closed:
-            conn = connect(self.url, **self._connect_kwargs)
-            try:
-                if self._asynchronous_commit:
-                    conn.execute("SET synchronous_commit TO off")
-                self._ensure_schema(conn)
-            except BaseException:
-                conn.close()
-                raise
-            self._conn = conn
+            with self._opening:  # two threads finding no connection open one, not two
+                conn = self._conn
+                if conn is None or conn.closed:
+                    conn = self._connect()
+                    self._conn = conn
+        return conn
+
+    def _connect(self) -> Connection:
+        conn = connect(self.url, **self._connect_kwargs)
+        try:
+            if self._asynchronous_commit:
+                conn.execute("SET synchronous_commit TO off")
+            self._ensure_schema(conn)
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _ensure_schema(self, conn: Connection) -> None:
@@ -273,9 +283,18 @@ class Store:
         conn = self.conn
         if conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
             return self.execute_direct(with_notify, params)
-        steps = [(self._statement(insert), params), (self._statement("announce"), params)]
+        first = (self._statement(insert), params)
+        then = (self._statement("announce"), params)
         with exceptions.translating(url_for_messages=self._masked_url):
-            return _text_rows(run_each(conn, steps)[0])
+            inserted, announced = run_then(conn, first, then)
+        if announced.status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
+            # The message is committed: raising would make the caller publish it again.
+            logger.warning(
+                "a publish's NOTIFY failed (consumers find the message at their next poll): %s",
+                (announced.get_error_message() or "").strip(),
+                extra={"action": "announce_failed"},
+            )
+        return _text_rows(inserted)
 
     def publish_many(self, messages: Sequence[NewMessage]) -> list[int]:
         """Insert ``messages`` with as few statements as their size allows, all or none.

@@ -172,3 +172,65 @@ def test_a_failed_insert_leaves_the_connection_usable(db_url: str) -> None:
         assert ids == [("good",), ("after",)]
     finally:
         store.close()
+
+
+def test_threads_sharing_a_store_can_publish_and_query_at_once(db_url: str) -> None:
+    """The publish's pipeline holds the connection's lock from the first statement sent to
+    the last reply read, so another thread's statements never land inside it."""
+    store = Store(db_url)
+    errors: list[BaseException] = []
+
+    def publisher() -> None:
+        try:
+            for _ in range(200):
+                store.publish(_row("shared"))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            for _ in range(200):
+                store.size("shared")
+                store.route("no-such-exchange", "k")
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=publisher), threading.Thread(target=reader)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+        assert store.size("shared") == 200
+    finally:
+        store.close()
+
+
+def test_a_failed_announcement_costs_only_its_wake_up(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The announcement's prepared statement is deallocated behind the store's back: that
+    publish's NOTIFY fails, which is logged and not raised (the message is committed; raising
+    would make Celery publish it again), and the next publish prepares it again."""
+    store = Store(db_url)
+    listener = psycopg.connect(db_url, autocommit=True)
+    listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
+    try:
+        store.publish(_row("first"))
+        store.conn.execute("DEALLOCATE pgskip_announce")
+        with caplog.at_level("WARNING", logger="kombu_pgskip.store"):
+            store.publish(_row("unannounced"))
+        assert any("NOTIFY failed" in r.getMessage() for r in caplog.records)
+        store.publish(_row("third"))
+        # The insert's statement, this time: the first try fails and is sent again; the
+        # failed try's announcement ran anyway (a wake-up too many, which costs one fetch).
+        store.conn.execute("DEALLOCATE pgskip_insert_message")
+        store.publish(_row("fourth"))
+        woken = [n.payload for n in listener.notifies(timeout=2, stop_after=4)]
+        assert woken == ["first", "third", "fourth", "fourth"]
+        rows = store.conn.execute("SELECT queue FROM pgskip.jobs ORDER BY id").fetchall()
+        assert rows == [("first",), ("unannounced",), ("third",), ("fourth",)]
+    finally:
+        listener.close()
+        store.close()
