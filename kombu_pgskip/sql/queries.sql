@@ -37,11 +37,11 @@ i AS ({@insert_one}
 SELECT i.id
   FROM i;
 
--- announce: the NOTIFY of one message written by insert_message or insert_remembered, from the message's own values (the publisher knows them): its queue if pending, else its due time on the scheduled channel, as {@wake} sends them. A transaction that only notifies writes no WAL of its own, so its commit does not wait for a flush
-SELECT CASE WHEN %(status)s::text = 'pending' THEN pg_notify(%(channel)s, %(queue)s)
-            ELSE pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text) END;
+-- announce: the NOTIFY of one message written by insert_message or insert_remembered, the one {@wake} sends for publish, from the message's own values (the publisher knows them). A transaction that only notifies writes no WAL of its own, so its commit does not wait for a flush
+SELECT {@wake}
+  FROM (SELECT %(queue)s::text AS queue, %(status)s::text AS status) AS i;
 
--- insert_one: (fragment, included as {@insert_one} after a CTE q of the queue's max_priority and message_ttl) the insert of publish, to be followed by RETURNING id, queue, status (what {@wake} needs; only columns a publisher role may read)
+-- insert_one: (fragment, included as {@insert_one} after a CTE q of the queue's max_priority and message_ttl) the insert of publish, to be followed by RETURNING id, and queue, status where {@wake} reads them in the same statement (only columns a publisher role may read)
 INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
 SELECT %(queue)s,
        LEAST(%(priority)s, COALESCE((SELECT max_priority FROM q), 255)),
