@@ -134,6 +134,10 @@ class Store:
         self._connect_kwargs = connect_kwargs
         self._conn: Connection | None = None
         self._opening = threading.Lock()
+        # Held for every statement, and for the whole of a transaction that spans several
+        # (publish_many, publish_stream): another thread's statement waits for that
+        # transaction to end instead of running inside it.
+        self._busy = threading.RLock()
         self._pid = os.getpid()
         # Statements run through libpq (execute_direct), prepared unless psycopg may not
         # prepare either (PgBouncer in transaction pooling mode).
@@ -155,6 +159,7 @@ class Store:
             # state of its lock.
             self._conn = None
             self._opening = threading.Lock()
+            self._busy = threading.RLock()
             self._pid = os.getpid()
         conn = self._conn
         if conn is None or conn.closed:
@@ -235,14 +240,15 @@ class Store:
             return self.run(self.q[name], params)
 
     def run(self, query: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        cur = self.conn.execute(query, params)
-        return cur.fetchall() if cur.description is not None else []
+        with self._busy:
+            cur = self.conn.execute(query, params)
+            return cur.fetchall() if cur.description is not None else []
 
     def execute_direct(self, name: str, params: dict[str, Any]) -> list[tuple[str | None, ...]]:
         """As :meth:`execute` through libpq (:mod:`kombu_pgskip.libpq`): the values come back
         as text. For the statements run once per message, where psycopg's own overhead is a
         measurable share of the time."""
-        with exceptions.translating(url_for_messages=self._masked_url):
+        with exceptions.translating(url_for_messages=self._masked_url), self._busy:
             res = self._statement(name).run(self.conn, params)
         return _text_rows(res)
 
@@ -280,13 +286,14 @@ class Store:
         asynchronous commits, or inside a transaction (:meth:`publish_many`'s)."""
         if not self._notify_after_commit:
             return self.execute_direct(with_notify, params)
-        conn = self.conn
-        if conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
-            return self.execute_direct(with_notify, params)
-        first = (self._statement(insert), params)
-        then = (self._statement("announce"), params)
-        with exceptions.translating(url_for_messages=self._masked_url):
-            inserted, announced = run_then(conn, first, then)
+        with self._busy:
+            conn = self.conn
+            if conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
+                return self.execute_direct(with_notify, params)
+            first = (self._statement(insert), params)
+            then = (self._statement("announce"), params)
+            with exceptions.translating(url_for_messages=self._masked_url):
+                inserted, announced = run_then(conn, first, then)
         if announced.status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
             # The message is committed: raising would make the caller publish it again.
             logger.warning(
@@ -305,7 +312,7 @@ class Store:
         chunks = publish_chunks(messages)
         if len(chunks) <= 1:
             return [i for chunk in chunks for i in self._publish_chunk(chunk)]
-        with self.conn.transaction():
+        with self._busy, self.conn.transaction():
             return [i for chunk in chunks for i in self._publish_chunk(chunk)]
 
     def publish_stream(self, messages: Iterable[NewMessage]) -> list[int]:
@@ -317,12 +324,12 @@ class Store:
         raised by the generator or by the server rolls back every chunk already sent. Returns
         the ids in order.
         """
-        conn = self.conn
         if not psycopg.Pipeline.is_supported():  # libpq < 14
             return self.publish_many(list(messages))
         query = self.q["publish_many"]
         cursors = []
-        with exceptions.translating(url_for_messages=self._masked_url):
+        with exceptions.translating(url_for_messages=self._masked_url), self._busy:
+            conn = self.conn
             with conn.pipeline(), conn.transaction():
                 for chunk in stream_chunks(messages):
                     cursor = conn.cursor()
