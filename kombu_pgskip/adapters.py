@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import psycopg
@@ -81,6 +81,13 @@ class Adapter(ABC):
     @abstractmethod
     def _execute(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
         """Run the statement (``query`` for psycopg 3, ``text`` for pyformat drivers)."""
+
+    def after_commit(self) -> Callable[[Callable[[], None]], None] | None:
+        """A function that registers a callback to run once the caller's transaction has
+        committed, and never if it rolls back (nor for what a rolled-back savepoint held); or
+        ``None`` where the driver offers no such hook (then the NOTIFY stays in the caller's
+        transaction). Asked before the statement that the callback follows is run."""
+        return None
 
     def run(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
         """Run one statement on the caller's connection and return its rows as tuples."""
@@ -293,6 +300,16 @@ class DjangoAdapter(Adapter):
     def identity(self) -> object | None:
         raw: object | None = self.connection.connection
         return raw
+
+    def after_commit(self) -> Callable[[Callable[[], None]], None] | None:
+        """The connection's ``on_commit`` (what ``transaction.on_commit`` calls), inside
+        ``atomic()`` only (with autocommit turned off by hand Django refuses it). It runs the
+        callback right after the outermost ``atomic()`` block commits, and drops it if its
+        savepoint or the transaction rolls back."""
+        if not self.connection.in_atomic_block:
+            return None
+        register: Callable[[Callable[[], None]], None] = self.connection.on_commit
+        return register
 
     def _execute(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
         args = _psycopg2_params(params) if self._pg2 else dict(params)

@@ -13,7 +13,8 @@ Guarantee
 The job is a row written by the caller's connection, in the caller's transaction:
 
 * **commit**: the job exists, and workers idle on LISTEN wake at once (the notification is
-  sent at commit);
+  sent at commit; on Django, by an ``on_commit`` callback right after it, so that the commit
+  does not hold PostgreSQL's cluster-wide NOTIFY lock);
 * **rollback** (or rollback to a savepoint taken before the call): no job, no wake-up, as if
   :func:`apply_async_in` had never been called.
 
@@ -111,8 +112,12 @@ def _check_statements(schema: str) -> dict[str, tuple[Query, str]]:
 class _CallerStore(Store):
     """The broker's statements, run on the caller's connection through an :class:`Adapter`."""
 
-    def __init__(self, adapter: Adapter, *, schema: str) -> None:
-        # The NOTIFY stays in the caller's transaction: only that makes a rollback wake nobody.
+    def __init__(self, adapter: Adapter, *, schema: str, notify_after_commit: bool = True) -> None:
+        """``notify_after_commit``: where the driver has an after-commit hook
+        (:meth:`Adapter.after_commit`), a single publish's NOTIFY is sent on the caller's
+        connection right after the caller's commit (see :meth:`_insert_announced`);
+        elsewhere it stays in the caller's transaction, which alone makes a rollback wake
+        nobody."""
         super().__init__(
             f"caller's {adapter.driver} connection",
             schema=schema,
@@ -120,6 +125,7 @@ class _CallerStore(Store):
             notify_after_commit=False,
         )
         self.adapter = adapter
+        self._announce_after_commit = notify_after_commit
 
     def __repr__(self) -> str:
         return f"<Store on the caller's {self.adapter.driver} connection schema={self.schema}>"
@@ -140,6 +146,40 @@ class _CallerStore(Store):
     def execute_direct(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """Through the caller's driver, as every statement here."""
         return self.execute(name, params)
+
+    def _insert_announced(
+        self, insert: str, with_notify: str, params: dict[str, Any]
+    ) -> list[tuple[Any, ...]]:
+        """The insert without its NOTIFY, and ``announce`` registered to run after the
+        caller's commit, where the driver has such a hook (Django); else ``with_notify`` in
+        the caller's transaction.
+
+        PostgreSQL holds one lock for the whole cluster from the commit of a transaction that
+        notified until that commit is flushed (and confirmed by a synchronous standby): with
+        the NOTIFY inside, every transaction that enqueues commits one at a time. After the
+        commit, ``announce`` runs in a transaction of its own that writes no WAL. A rollback,
+        or a savepoint rolled back, drops the callback: nobody is woken for a job that does
+        not exist. If the callback fails, or the process dies before it runs, the job is
+        committed anyway and consumers find it at their next poll.
+        """
+        register = self.adapter.after_commit() if self._announce_after_commit else None
+        if register is None:
+            return self.execute_direct(with_notify, params)
+        rows = self.execute(insert, params)
+        if rows:  # nothing inserted (a remembered route gone stale): nothing to announce
+            register(functools.partial(self._announce, dict(params)))
+        return rows
+
+    def _announce(self, params: dict[str, Any]) -> None:
+        try:
+            self.execute("announce", params)
+        except Exception as exc:  # the job is committed: raising would reach the caller's commit
+            logger.warning(
+                "the NOTIFY after the caller's commit failed (consumers find the job at "
+                "their next poll): %s",
+                str(exc).strip(),
+                extra={"action": "announce_failed"},
+            )
 
     def publish_many(self, messages: Sequence[NewMessage]) -> list[int]:
         """As :meth:`Store.publish_many`; the caller's transaction makes the chunks atomic."""
@@ -210,7 +250,11 @@ class _CallerTransport(Transport):
     def store(self) -> Store:
         client: Any = self.client
         adapter: Adapter = client.transport_options[_ADAPTER_OPTION]
-        return _CallerStore(adapter, schema=self.options.schema)
+        return _CallerStore(
+            adapter,
+            schema=self.options.schema,
+            notify_after_commit=self.options.notify_after_commit,
+        )
 
 
 # Connections whose schema was found installed and current, per schema; weakly keyed by the

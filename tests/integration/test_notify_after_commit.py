@@ -11,8 +11,10 @@ keeps (a publish inside a transaction still notifies at that transaction's commi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -20,11 +22,14 @@ from typing import Any
 
 import psycopg
 import pytest
+from celery import Celery
 
 from kombu_pgskip.embedded import EmbeddedPostgres, find_bindir
 from kombu_pgskip.envelope import to_row
 from kombu_pgskip.migrate import migrate
+from kombu_pgskip.publish import apply_async_in
 from kombu_pgskip.store import NewMessage, Store, notify_channel
+from tests.publish_support import Rollback, django_database, make_app
 
 
 def _row(queue: str = "q", task_id: str = "id-1") -> NewMessage:
@@ -234,3 +239,178 @@ def test_a_failed_announcement_costs_only_its_wake_up(
     finally:
         listener.close()
         store.close()
+
+
+# -- apply_async_in on Django: the NOTIFY after the caller's commit -----------------------------
+
+
+class _DjangoEnqueuer(threading.Thread):
+    """Django's connections are per thread: this thread owns one on ``url`` and runs
+    ``apply_async_in`` transactions on it when asked (``run_transaction``)."""
+
+    def __init__(self, url: str, app: Celery) -> None:
+        super().__init__(daemon=True)
+        self.url, self.app = url, app
+        self.jobs: queue.Queue[tuple[str, bool] | None] = queue.Queue()
+        self.done: queue.Queue[BaseException | None] = queue.Queue()
+        self.backend_pid = 0
+
+    def run(self) -> None:
+        from django.db import connections, transaction
+
+        with django_database(self.url) as alias:
+            conn = connections[alias]
+            with conn.cursor() as cur:
+                cur.execute("SELECT pg_backend_pid()")
+                self.backend_pid = cur.fetchone()[0]
+            self.done.put(None)
+            while (job := self.jobs.get()) is not None:
+                queue_name, wait_for_standby = job
+                try:
+                    if wait_for_standby:  # the reload reached this session (read per command)
+                        deadline = time.monotonic() + 10
+                        while True:
+                            with conn.cursor() as cur:
+                                cur.execute("SHOW synchronous_standby_names")
+                                if cur.fetchone() == ("nobody",):
+                                    break
+                            assert time.monotonic() < deadline, "the reload did not take effect"
+                            time.sleep(0.05)
+                    with transaction.atomic(using=alias):
+                        apply_async_in(conn, self.app.tasks["txn.add"], (1, 2), queue=queue_name)
+                    self.done.put(None)
+                except BaseException as exc:  # reported to the test
+                    self.done.put(exc)
+
+    def run_transaction(self, queue_name: str, *, wait_for_standby: bool = False) -> None:
+        self.jobs.put((queue_name, wait_for_standby))
+
+    def finished(self, timeout: float = 30) -> None:
+        error = self.done.get(timeout=timeout)
+        if error is not None:
+            raise error
+
+
+@pytest.mark.parametrize("after_commit", [True, False], ids=["after-commit", "in-transaction"])
+def test_a_django_transaction_that_enqueues_lets_others_notify_while_it_commits(
+    private_url: str, after_commit: bool
+) -> None:
+    """With Django's after-commit hook, a transaction that enqueues with ``apply_async_in``
+    no longer holds PostgreSQL's NOTIFY lock through its commit (here held open by a standby
+    that never confirms); with ``notify_after_commit`` off it does, as before."""
+    app = make_app(private_url, broker_transport_options={"notify_after_commit": after_commit})
+    listener = psycopg.connect(private_url, autocommit=True)
+    listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
+    enqueuer = _DjangoEnqueuer(private_url, app)
+    enqueuer.start()
+    try:
+        enqueuer.finished()  # connected
+        enqueuer.run_transaction("django-warm")  # schema checked, before commits wait
+        enqueuer.finished()
+        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["django-warm"]
+        _require_standby(private_url, True)
+        try:
+            enqueuer.run_transaction("django-slow", wait_for_standby=True)
+            _wait_for_standby_wait(private_url, enqueuer.backend_pid)
+            with psycopg.connect(
+                private_url, autocommit=True, options="-c lock_timeout=2000"
+            ) as other:
+                if after_commit:
+                    other.execute("NOTIFY elsewhere")
+                else:
+                    with pytest.raises(psycopg.errors.LockNotAvailable):
+                        other.execute("NOTIFY elsewhere")
+        finally:
+            _require_standby(private_url, False)
+        enqueuer.finished()
+        # Either way the job's consumers are woken once it is committed.
+        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["django-slow"]
+    finally:
+        enqueuer.jobs.put(None)
+        enqueuer.join(30)
+        listener.close()
+        app.close()
+
+
+def test_a_django_rollback_or_rolled_back_savepoint_wakes_nobody(db_url: str) -> None:
+    from django.db import connections, transaction
+
+    app = make_app(db_url)
+    task = app.tasks["txn.add"]
+    listener = psycopg.connect(db_url, autocommit=True)
+    listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
+    try:
+        with django_database(db_url) as alias:
+            conn = connections[alias]
+            with transaction.atomic(using=alias):
+                apply_async_in(conn, task, (1, 2), queue="kept")
+                with contextlib.suppress(Rollback), transaction.atomic(using=alias):
+                    apply_async_in(conn, task, (1, 2), queue="savepoint-rolled-back")
+                    raise Rollback
+                apply_async_in(conn, task, (1, 2), queue="kept-too")
+                # Nothing before the commit.
+                assert list(listener.notifies(timeout=0.3)) == []
+            with contextlib.suppress(Rollback), transaction.atomic(using=alias):
+                apply_async_in(conn, task, (1, 2), queue="rolled-back")
+                raise Rollback
+        woken = [n.payload for n in listener.notifies(timeout=2, stop_after=2)]
+        assert woken == ["kept", "kept-too"]
+        assert list(listener.notifies(timeout=0.3)) == []
+        queues = listener.execute("SELECT queue FROM pgskip.jobs ORDER BY id").fetchall()
+        assert queues == [("kept",), ("kept-too",)]
+    finally:
+        listener.close()
+        app.close()
+
+
+def test_a_failed_notify_after_a_django_commit_is_logged_not_raised(
+    private_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The job is committed when the NOTIFY after it fails (here: another session's commit
+    holds the NOTIFY lock past this session's lock_timeout): a warning, no exception out of
+    the caller's ``atomic()``, and the job stays for the workers' next poll."""
+    from django.db import connections, transaction
+
+    app = make_app(private_url)
+    blocker = psycopg.connect(private_url, autocommit=True)
+    blocker.execute("CREATE TABLE IF NOT EXISTS written (x int)")
+
+    def hold() -> None:
+        # A transaction that writes and notifies: its commit waits for the standby while it
+        # holds the NOTIFY lock (one that only notifies writes no WAL and would not wait).
+        with blocker.transaction():
+            blocker.execute("INSERT INTO written VALUES (1)")
+            blocker.execute("NOTIFY held")
+
+    holding = threading.Thread(target=hold, daemon=True)
+    try:
+        with django_database(private_url) as alias:
+            conn = connections[alias]
+            with conn.cursor() as cur:
+                # This session's commits do not wait for the standby that the blocker's does.
+                cur.execute("SET synchronous_commit = local")
+                cur.execute("SET lock_timeout = '300ms'")
+            _require_standby(private_url, True, blocker)
+            try:
+                holding.start()  # its commit waits for the standby, holding the NOTIFY lock
+                _wait_for_standby_wait(private_url, blocker.info.backend_pid)
+                with (
+                    caplog.at_level("WARNING", logger="kombu_pgskip.publish"),
+                    transaction.atomic(using=alias),
+                ):
+                    result = apply_async_in(conn, app.tasks["txn.add"], (1, 2), queue="unwoken")
+            finally:
+                _require_standby(private_url, False)
+                holding.join(10)
+        assert any(
+            r.getMessage().startswith("the NOTIFY after the caller's commit failed")
+            and getattr(r, "action", None) == "announce_failed"
+            for r in caplog.records
+        ), [r.getMessage() for r in caplog.records]
+        found = blocker.execute(
+            "SELECT queue FROM pgskip.jobs WHERE task_id = %s", (result.id,)
+        ).fetchall()
+        assert found == [("unwoken",)]
+    finally:
+        blocker.close()
+        app.close()
