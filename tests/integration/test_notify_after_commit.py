@@ -86,6 +86,17 @@ def _wait_for_standby_wait(url: str, pid: int) -> None:
             time.sleep(0.02)
 
 
+def _another_session_notifies(url: str, *, blocked: bool) -> None:
+    """A NOTIFY from a new session goes through, or (``blocked``) waits for the NOTIFY lock
+    until lock_timeout turns the wait into an error."""
+    with psycopg.connect(url, autocommit=True, options="-c lock_timeout=2000") as other:
+        if blocked:
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                other.execute("NOTIFY elsewhere")
+        else:
+            other.execute("NOTIFY elsewhere")
+
+
 @pytest.mark.parametrize("after_commit", [True, False], ids=["after-commit", "in-transaction"])
 def test_a_publish_waiting_for_its_commit_lets_others_notify(
     private_url: str, after_commit: bool
@@ -102,13 +113,8 @@ def test_a_publish_waiting_for_its_commit_lets_others_notify(
         thread.start()
         _wait_for_standby_wait(private_url, store.conn.info.backend_pid)
         # Another session notifies (as another publisher's announcement would) while the
-        # publish waits for the standby; lock_timeout turns a wait for the lock into an error.
-        with psycopg.connect(private_url, autocommit=True, options="-c lock_timeout=2000") as other:
-            if after_commit:
-                other.execute("NOTIFY elsewhere")
-            else:
-                with pytest.raises(psycopg.errors.LockNotAvailable):
-                    other.execute("NOTIFY elsewhere")
+        # publish waits for the standby.
+        _another_session_notifies(private_url, blocked=not after_commit)
     finally:
         _require_standby(private_url, False)
         thread.join(10)
@@ -312,14 +318,7 @@ def test_a_django_transaction_that_enqueues_lets_others_notify_while_it_commits(
         try:
             enqueuer.run_transaction("django-slow", wait_for_standby=True)
             _wait_for_standby_wait(private_url, enqueuer.backend_pid)
-            with psycopg.connect(
-                private_url, autocommit=True, options="-c lock_timeout=2000"
-            ) as other:
-                if after_commit:
-                    other.execute("NOTIFY elsewhere")
-                else:
-                    with pytest.raises(psycopg.errors.LockNotAvailable):
-                        other.execute("NOTIFY elsewhere")
+            _another_session_notifies(private_url, blocked=not after_commit)
         finally:
             _require_standby(private_url, False)
         enqueuer.finished()
