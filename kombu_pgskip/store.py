@@ -152,15 +152,24 @@ class Store:
 
     # -- connection ------------------------------------------------------------------------------
 
-    @property
-    def conn(self) -> Connection:
+    def _forget_parent(self) -> None:
+        """In a forked child: the parent's socket is not ours to use or to close, nor is the
+        state of its locks (a thread of the parent may have held one when it forked)."""
         if self._pid != os.getpid():
-            # Forked child: the parent's socket is not ours to use or to close, nor is the
-            # state of its lock.
             self._conn = None
             self._opening = threading.Lock()
             self._busy = threading.RLock()
             self._pid = os.getpid()
+
+    @property
+    def _busy_lock(self) -> threading.RLock:
+        """``_busy``, replaced first in a forked child."""
+        self._forget_parent()
+        return self._busy
+
+    @property
+    def conn(self) -> Connection:
+        self._forget_parent()
         conn = self._conn
         if conn is None or conn.closed:
             with self._opening:  # two threads finding no connection open one, not two
@@ -240,7 +249,7 @@ class Store:
             return self.run(self.q[name], params)
 
     def run(self, query: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        with self._busy:
+        with self._busy_lock:
             cur = self.conn.execute(query, params)
             return cur.fetchall() if cur.description is not None else []
 
@@ -248,7 +257,7 @@ class Store:
         """As :meth:`execute` through libpq (:mod:`kombu_pgskip.libpq`): the values come back
         as text. For the statements run once per message, where psycopg's own overhead is a
         measurable share of the time."""
-        with exceptions.translating(url_for_messages=self._masked_url), self._busy:
+        with exceptions.translating(url_for_messages=self._masked_url), self._busy_lock:
             res = self._statement(name).run(self.conn, params)
         return _text_rows(res)
 
@@ -286,7 +295,7 @@ class Store:
         asynchronous commits, or inside a transaction (:meth:`publish_many`'s)."""
         if not self._notify_after_commit:
             return self.execute_direct(with_notify, params)
-        with self._busy:
+        with self._busy_lock:
             conn = self.conn
             if conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
                 return self.execute_direct(with_notify, params)
@@ -312,7 +321,7 @@ class Store:
         chunks = publish_chunks(messages)
         if len(chunks) <= 1:
             return [i for chunk in chunks for i in self._publish_chunk(chunk)]
-        with self._busy, self.conn.transaction():
+        with self._busy_lock, self.conn.transaction():
             return [i for chunk in chunks for i in self._publish_chunk(chunk)]
 
     def publish_stream(self, messages: Iterable[NewMessage]) -> list[int]:
@@ -328,7 +337,7 @@ class Store:
             return self.publish_many(list(messages))
         query = self.q["publish_many"]
         cursors = []
-        with exceptions.translating(url_for_messages=self._masked_url), self._busy:
+        with exceptions.translating(url_for_messages=self._masked_url), self._busy_lock:
             conn = self.conn
             with conn.pipeline(), conn.transaction():
                 for chunk in stream_chunks(messages):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -126,3 +128,44 @@ def test_a_publish_from_another_thread_waits_for_publish_many(db_url: str) -> No
         assert store.size("single") == 1  # the connection serves the next statement
     finally:
         store.close()
+
+
+def test_a_forked_child_publishes_while_a_parent_thread_held_the_lock(db_url: str) -> None:
+    """A process forked while another of its threads was inside a multi-statement transaction
+    (so holding the store's lock) gets fresh locks and a connection of its own: its publish
+    neither hangs on the parent's lock nor lands in the parent's transaction."""
+    store = Store(db_url)
+    store.publish(_row("warm", "warm"))  # the parent's connection is open
+    inside, release = threading.Event(), threading.Event()
+
+    def messages() -> Iterator[NewMessage]:
+        yield _row("streamed", "s-1")
+        inside.set()
+        release.wait(30)
+
+    parent = threading.Thread(target=lambda: store.publish_stream(messages()), daemon=True)
+    parent.start()
+    try:
+        assert inside.wait(30)
+        pid = os.fork()
+        if pid == 0:  # the child: exit code 0 if the publish returned
+            code = 1
+            try:
+                store.publish(_row("from-child", "child"))
+                code = 0
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the child's publish hung on the lock its parent's thread held")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+        assert _committed(db_url) == {"warm": 1, "from-child": 1}  # the stream is still open
+    finally:
+        release.set()
+        parent.join(30)
+        store.close()
+    assert _committed(db_url) == {"warm": 1, "from-child": 1, "streamed": 1}
