@@ -349,6 +349,10 @@ def test_a_django_rollback_or_rolled_back_savepoint_wakes_nobody(db_url: str) ->
                 apply_async_in(conn, task, (1, 2), queue="kept-too")
                 # Nothing before the commit.
                 assert list(listener.notifies(timeout=0.3)) == []
+            # The announcements ran on Django's connection and left nothing prepared there.
+            with conn.cursor() as cur:
+                cur.execute("SELECT name FROM pg_prepared_statements WHERE name LIKE 'pgskip%%'")
+                assert cur.fetchall() == []
             with contextlib.suppress(Rollback), transaction.atomic(using=alias):
                 apply_async_in(conn, task, (1, 2), queue="rolled-back")
                 raise Rollback
