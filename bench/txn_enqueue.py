@@ -1,15 +1,15 @@
 """Transactional enqueue from many processes: ``python -m bench.txn_enqueue``.
 
 Each of ``N`` processes runs Django transactions back to back for ``--seconds``: inside
-``transaction.atomic()``, one ``INSERT`` of a business row and one ``apply_async_in`` (the
-job's row). Transactions committed per second, all processes together, for
-``notify_after_commit`` on (the NOTIFY goes after the commit, through Django's ``on_commit``)
-and off (the NOTIFY inside the transaction, which holds PostgreSQL's cluster-wide NOTIFY lock
-through the commit's flush), alternating in every round, for each process count of
-``--procs`` and each ``--commit-delays`` setting. ``commit_delay`` (microseconds, with
-``commit_siblings = 0``) makes every commit's WAL flush wait that much longer, as storage with
-a flush of milliseconds (network block storage, synchronous replication) does; 0 is this
-machine's disk as it is.
+``transaction.atomic()``, one ``INSERT`` of a business row and ``--jobs`` calls of
+``apply_async_in`` (the jobs' rows; one by default). Transactions committed per second, all
+processes together, for ``notify_after_commit`` on (the NOTIFYs go after the commit, through
+Django's ``on_commit``) and off (the NOTIFY inside the transaction, which holds PostgreSQL's
+cluster-wide NOTIFY lock through the commit's flush), alternating in every round, for each
+process count of ``--procs`` and each ``--commit-delays`` setting. ``commit_delay``
+(microseconds, with ``commit_siblings = 0``) makes every commit's WAL flush wait that much
+longer, as storage with a flush of milliseconds (network block storage, synchronous replication)
+does; 0 is this machine's disk as it is.
 
 Runs its own EmbeddedPostgres (fsync on). Prints a table and writes the figures as JSON to
 ``--out``; asserts nothing.
@@ -30,7 +30,7 @@ from .common import REPO, code_state, log, machine_info, median
 
 
 def _enqueuer(
-    url: str, after_commit: bool, seconds: float, start_at: float, out: Any
+    url: str, after_commit: bool, jobs: int, seconds: float, start_at: float, out: Any
 ) -> None:  # pragma: no cover - runs in a child process
     from django.db import connections, transaction
 
@@ -52,18 +52,19 @@ def _enqueuer(
             with transaction.atomic(using=alias):
                 with conn.cursor() as cur:
                     cur.execute("INSERT INTO orders (note) VALUES ('order')")
-                apply_async_in(conn, task, (1, 2), queue="bench")
+                for _ in range(jobs):
+                    apply_async_in(conn, task, (1, 2), queue="bench")
             n += 1
         out.put((n, time.perf_counter() - t0))
     app.close()
 
 
-def _round(url: str, procs: int, after_commit: bool, seconds: float) -> float:
+def _round(url: str, procs: int, after_commit: bool, jobs: int, seconds: float) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     start_at = time.time() + 3.0  # every process imported and connected
     children = [
-        ctx.Process(target=_enqueuer, args=(url, after_commit, seconds, start_at, out))
+        ctx.Process(target=_enqueuer, args=(url, after_commit, jobs, seconds, start_at, out))
         for _ in range(procs)
     ]
     for child in children:
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.txn_enqueue")
     parser.add_argument("--procs", type=ints, default=[1, 4, 8])
     parser.add_argument("--commit-delays", type=ints, default=[0, 2000])
+    parser.add_argument("--jobs", type=int, default=1, help="apply_async_in per transaction")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "txn_enqueue"))
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             for rnd in range(args.rounds):
                 for procs in args.procs:
                     for after_commit in (True, False):
-                        rate = _round(url, procs, after_commit, args.seconds)
+                        rate = _round(url, procs, after_commit, args.jobs, args.seconds)
                         key = f"commit_delay={delay} procs={procs} after_commit={after_commit}"
                         report["rates"].setdefault(key, []).append(round(rate, 1))
                         log(f"round {rnd + 1}: {key}: {rate:,.0f} transactions/s")

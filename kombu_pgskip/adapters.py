@@ -19,8 +19,8 @@ from __future__ import annotations
 import sys
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import psycopg
 from psycopg import pq, sql
@@ -38,6 +38,17 @@ _INERROR = int(pq.TransactionStatus.INERROR)
 _UNKNOWN = int(pq.TransactionStatus.UNKNOWN)
 
 _IN_FAILED_SQL_TRANSACTION = "25P02"
+
+
+class AfterCommit(Protocol):
+    """A callback run once the caller's transaction has committed, found again by its key."""
+
+    after_commit_key: Hashable
+
+    def __call__(self) -> None: ...
+
+
+_C = TypeVar("_C", bound=AfterCommit)
 
 
 def quote_ident(name: str) -> str:
@@ -82,10 +93,13 @@ class Adapter(ABC):
     def _execute(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
         """Run the statement (``query`` for psycopg 3, ``text`` for pyformat drivers)."""
 
-    def after_commit(self) -> Callable[[Callable[[], None]], None] | None:
-        """A function that registers a callback to run once the caller's transaction has
-        committed, and never if it rolls back (nor for what a rolled-back savepoint held); or
-        ``None`` where the driver offers no such hook (then the NOTIFY stays in the caller's
+    def after_commit(self, key: Hashable, make: Callable[[], _C]) -> _C | None:
+        """The callback with ``key`` that runs once the caller's transaction has committed,
+        and never if it rolls back, shared by everything written at the current savepoint:
+        the first call there makes it (``make()``) and registers it, later ones get it back
+        and add to it. A rolled-back savepoint drops its callbacks with what it wrote, and
+        what an outer level wrote never shares a callback with an inner savepoint's. ``None``
+        where the driver offers no such hook (then the NOTIFY stays in the caller's
         transaction). Asked before the statement that the callback follows is run."""
         return None
 
@@ -301,15 +315,25 @@ class DjangoAdapter(Adapter):
         raw: object | None = self.connection.connection
         return raw
 
-    def after_commit(self) -> Callable[[Callable[[], None]], None] | None:
-        """The connection's ``on_commit`` (what ``transaction.on_commit`` calls), inside
-        ``atomic()`` only (with autocommit turned off by hand Django refuses it). It runs the
-        callback right after the outermost ``atomic()`` block commits, and drops it if its
-        savepoint or the transaction rolls back."""
-        if not self.connection.in_atomic_block:
+    def after_commit(self, key: Hashable, make: Callable[[], _C]) -> _C | None:
+        """Through the connection's ``on_commit`` (what ``transaction.on_commit`` calls),
+        inside ``atomic()`` only (with autocommit turned off by hand Django refuses it). Django
+        runs the callback right after the outermost ``atomic()`` block commits, and drops it if
+        a savepoint that was open when it was registered rolls back: a callback is shared only
+        by writes made with the same savepoints open, whose fate is the same."""
+        conn = self.connection
+        if not conn.in_atomic_block:
             return None
-        register: Callable[[Callable[[], None]], None] = self.connection.on_commit
-        return register
+        open_savepoints = set(conn.savepoint_ids)
+        # Django keeps (savepoint ids, callback[, robust]) per registration, in order.
+        for entry in reversed(getattr(conn, "run_on_commit", None) or ()):
+            callback = entry[1]
+            if entry[0] == open_savepoints and getattr(callback, "after_commit_key", None) == key:
+                found: _C = callback
+                return found
+        made = make()
+        conn.on_commit(made)
+        return made
 
     def _execute(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
         args = _psycopg2_params(params) if self._pg2 else dict(params)

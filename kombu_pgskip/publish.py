@@ -13,8 +13,9 @@ Guarantee
 The job is a row written by the caller's connection, in the caller's transaction:
 
 * **commit**: the job exists, and workers idle on LISTEN wake at once (the notification is
-  sent at commit; on Django, by an ``on_commit`` callback right after it, so that the commit
-  does not hold PostgreSQL's cluster-wide NOTIFY lock);
+  sent at commit; on Django, by an ``on_commit`` callback right after it, one statement for
+  all the transaction's jobs, so that the commit does not hold PostgreSQL's cluster-wide
+  NOTIFY lock);
 * **rollback** (or rollback to a savepoint taken before the call): no job, no wake-up, as if
   :func:`apply_async_in` had never been called.
 
@@ -55,8 +56,9 @@ import functools
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
+from datetime import datetime
 from functools import cached_property
 from typing import Any
 
@@ -151,41 +153,50 @@ class _CallerStore(Store):
         """Through the caller's driver, as every statement here."""
         return self.execute(name, params)
 
-    def _insert_announced(
-        self, insert: str, with_notify: str, params: dict[str, Any]
-    ) -> list[tuple[Any, ...]]:
-        """The insert without its NOTIFY, and ``announce`` registered to run after the
-        caller's commit, where the driver has such a hook (Django); else ``with_notify`` in
-        the caller's transaction.
+    def _wakes(self) -> _Wakes | None:
+        """Where the driver has an after-commit hook (Django) and ``notify_after_commit`` is
+        on: the NOTIFYs this savepoint of the caller's transaction owes, to which a write adds
+        its own; they are sent in one statement right after the commit.
 
         PostgreSQL holds one lock for the whole cluster from the commit of a transaction that
         notified until that commit is flushed (and confirmed by a synchronous standby): with
         the NOTIFY inside, every transaction that enqueues commits one at a time. After the
-        commit, ``announce`` runs in a transaction of its own that writes no WAL. A rollback,
-        or a savepoint rolled back, drops the callback: nobody is woken for a job that does
-        not exist. If the callback fails, or the process dies before it runs, the job is
-        committed anyway and consumers find it at their next poll.
+        commit, ``announce_many`` runs in a transaction of its own that writes no WAL, once
+        for all the jobs of the transaction (one NOTIFY per queue). A rollback, or a savepoint
+        rolled back, drops what it owed: nobody is woken for a job that does not exist. If the
+        statement fails, or the process dies before it runs, the jobs are committed anyway and
+        consumers find them at their next poll.
         """
-        register = self.adapter.after_commit() if self._announce_after_commit else None
-        if register is None:
+        if not self._announce_after_commit:
+            return None
+        return self.adapter.after_commit(("pgskip-wakes", self.schema), lambda: _Wakes(self))
+
+    def _insert_announced(
+        self, insert: str, with_notify: str, params: dict[str, Any]
+    ) -> list[tuple[Any, ...]]:
+        """The insert without its NOTIFY, which :meth:`_wakes` sends after the commit; else
+        (no after-commit hook) ``with_notify`` in the caller's transaction."""
+        wakes = self._wakes()
+        if wakes is None:
             return self.execute_direct(with_notify, params)
         rows = self.execute(insert, params)
         if rows:  # nothing inserted (a remembered route gone stale): nothing to announce
-            register(functools.partial(self._announce, dict(params)))
+            wakes.add(params["queue"], params["status"], params["run_at"])
         return rows
 
-    def _announce(self, params: dict[str, Any]) -> None:
-        """``announce`` on the caller's connection, now in autocommit. On a psycopg 3
-        connection it goes through libpq directly, unprepared: in a loop on the test machine,
-        232 us and 62 us of client CPU per statement against 352 and 189 through Django's
-        cursor."""
+    def announce(self, queues: list[str], run_at: datetime | None) -> None:
+        """``announce_many`` on the caller's connection, now in autocommit, after its commit.
+        On a psycopg 3 connection it goes through libpq directly, unprepared: in a loop on the
+        test machine, 232 us and 62 us of client CPU per statement against 352 and 189 through
+        Django's cursor."""
+        params = {"queues": queues, "run_at": run_at, **self._channels}
         try:
             raw = self.adapter.identity()
             if isinstance(raw, psycopg.Connection):
-                self._statement("announce").run(raw, params)
+                self._statement("announce_many").run(raw, params)
             else:
-                self.execute("announce", params)
-        except Exception as exc:  # the job is committed: raising would reach the caller's commit
+                self.execute("announce_many", params)
+        except Exception as exc:  # the jobs are committed: raising would reach the caller's commit
             logger.warning(
                 "the NOTIFY after the caller's commit failed (consumers find the job at "
                 "their next poll): %s",
@@ -194,8 +205,20 @@ class _CallerStore(Store):
             )
 
     def publish_many(self, messages: Sequence[NewMessage]) -> list[int]:
-        """As :meth:`Store.publish_many`; the caller's transaction makes the chunks atomic."""
-        return [i for chunk in publish_chunks(messages) for i in self._publish_chunk(chunk)]
+        """As :meth:`Store.publish_many`; the caller's transaction makes the chunks atomic.
+        With an after-commit hook, the chunks are inserted without their NOTIFYs, which go
+        with the transaction's others after the commit (:meth:`_wakes`)."""
+        wakes = self._wakes()
+        if wakes is None:
+            return [i for chunk in publish_chunks(messages) for i in self._publish_chunk(chunk)]
+        ids = [
+            i
+            for chunk in publish_chunks(messages)
+            for i in self._publish_chunk(chunk, "insert_many")
+        ]
+        for m in messages:
+            wakes.add(m.queue, m.status, m.run_at)
+        return ids
 
     def publish_stream(self, messages: Iterable[NewMessage]) -> list[int]:
         """As :meth:`publish_many`: the caller's driver sends one statement at a time."""
@@ -208,6 +231,27 @@ class _CallerStore(Store):
         else:  # not a queries.sql statement: render it (psycopg >= 3.2 needs no connection)
             text = query.as_string(None) if isinstance(query, sql.Composable) else str(query)
         return self.adapter.run(query, text, params)
+
+
+class _Wakes:
+    """The NOTIFYs one savepoint of a caller's transaction owes, sent right after its commit
+    (:meth:`_CallerStore._wakes`): each queue that got a pending job once, and the earliest due
+    time of its scheduled jobs, as ``publish_many`` sends them inside a transaction."""
+
+    def __init__(self, store: _CallerStore) -> None:
+        self.after_commit_key: Hashable = ("pgskip-wakes", store.schema)
+        self._store = store
+        self._queues: dict[str, None] = {}  # in the order first written
+        self._due: datetime | None = None
+
+    def add(self, queue: str, status: str, run_at: datetime | None) -> None:
+        if status == "pending":
+            self._queues[queue] = None
+        elif run_at is not None and (self._due is None or run_at < self._due):
+            self._due = run_at
+
+    def __call__(self) -> None:
+        self._store.announce(list(self._queues), self._due)
 
 
 _VirtualChannel: Any = virtual.Channel

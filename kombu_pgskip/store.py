@@ -346,9 +346,11 @@ class Store:
                     cursors.append(cursor)
             return [int(r[0]) for cursor in cursors for r in cursor.fetchall()]
 
-    def _publish_chunk(self, messages: Sequence[NewMessage]) -> list[int]:
+    def _publish_chunk(
+        self, messages: Sequence[NewMessage], statement: str = "publish_many"
+    ) -> list[int]:
         params = {"rows": _json_rows(messages), **self._channels}
-        return [int(r[0]) for r in self.execute("publish_many", params)]
+        return [int(r[0]) for r in self.execute(statement, params)]
 
     def publish_routed(
         self, message: NewMessage, *, exchange: str, routing_key: str, queues: Sequence[str]

@@ -41,6 +41,13 @@ SELECT i.id
 SELECT {@wake}
   FROM (SELECT %(queue)s::text AS queue, %(status)s::text AS status) AS i;
 
+-- announce_many: the NOTIFYs owed, after a caller's commit, for the messages its transaction wrote without theirs (insert_message, insert_remembered, insert_many), as {@wake} and publish_many send them: one per queue given (queues with a pending message), and the earliest due time of the scheduled ones (run_at, NULL if none) on the scheduled channel; one transaction that writes no WAL
+SELECT pg_notify(%(channel)s, q.queue)
+  FROM unnest(%(queues)s::text[]) AS q(queue)
+UNION ALL
+SELECT pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text)
+ WHERE %(run_at)s::timestamptz IS NOT NULL;
+
 -- insert_one: (fragment, included as {@insert_one} after a CTE q of the queue's max_priority and message_ttl) the insert of publish, to be followed by RETURNING id, and queue, status where {@wake} reads them in the same statement (only columns a publisher role may read)
 INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
 SELECT %(queue)s,
@@ -53,7 +60,22 @@ SELECT %(queue)s,
        now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0)
 
 -- publish_many: insert many messages in one statement, given as one JSON array of rows (queue, priority, status, run_at, payload, task_name, task_id, ttl_ms); priority clamped, TTL applied and consumers woken as publish does; returns the ids in order
-WITH m AS MATERIALIZED (
+WITH {@many_rows}, woken AS (
+    SELECT pg_notify(%(channel)s, d.queue)
+      FROM (SELECT DISTINCT queue FROM i WHERE status = 'pending') AS d
+    UNION ALL
+    SELECT pg_notify(%(scheduled_channel)s, extract(epoch FROM min(m.run_at))::text)
+      FROM m WHERE m.status = 'scheduled' HAVING count(*) > 0
+)
+-- Identity values follow insertion order, so ORDER BY id returns them as the rows were given.
+SELECT i.id FROM i WHERE (SELECT count(*) FROM woken) >= 0 ORDER BY i.id;
+
+-- insert_many: as publish_many without its NOTIFYs, for apply_many_in on Django, whose NOTIFYs go after the caller's commit (announce_many); returns the ids in order
+WITH {@many_rows}
+SELECT i.id FROM i ORDER BY i.id;
+
+-- many_rows: (fragment, included as {@many_rows} after WITH) the CTEs m (the JSON array of rows given, numbered) and i (their insert, RETURNING id, queue, status) of publish_many and insert_many
+m AS MATERIALIZED (
     SELECT *
       FROM ROWS FROM (json_to_recordset(%(rows)s::json)
                       AS (queue text, priority integer, status text, run_at timestamptz,
@@ -75,15 +97,7 @@ WITH m AS MATERIALIZED (
      ORDER BY m.n
     -- Only columns a publisher role may read (grants.py): the due time comes from the input.
     RETURNING id, queue, status
-), woken AS (
-    SELECT pg_notify(%(channel)s, d.queue)
-      FROM (SELECT DISTINCT queue FROM i WHERE status = 'pending') AS d
-    UNION ALL
-    SELECT pg_notify(%(scheduled_channel)s, extract(epoch FROM min(m.run_at))::text)
-      FROM m WHERE m.status = 'scheduled' HAVING count(*) > 0
 )
--- Identity values follow insertion order, so ORDER BY id returns them as the rows were given.
-SELECT i.id FROM i WHERE (SELECT count(*) FROM woken) >= 0 ORDER BY i.id;
 
 -- due: (fragment, included as {@due}) up to limit due messages of the given queues, locked, round-robin across queues in delivery order
 SELECT x.id, x.priority,

@@ -24,11 +24,12 @@ import psycopg
 import pytest
 from celery import Celery
 
+from kombu_pgskip.bulk import apply_many_in
 from kombu_pgskip.embedded import EmbeddedPostgres, find_bindir
 from kombu_pgskip.envelope import to_row
 from kombu_pgskip.migrate import migrate
 from kombu_pgskip.publish import apply_async_in
-from kombu_pgskip.store import NewMessage, Store, notify_channel
+from kombu_pgskip.store import NewMessage, Store, notify_channel, scheduled_channel
 from tests.publish_support import Rollback, django_database, make_app
 
 
@@ -257,7 +258,7 @@ class _DjangoEnqueuer(threading.Thread):
     def __init__(self, url: str, app: Celery) -> None:
         super().__init__(daemon=True)
         self.url, self.app = url, app
-        self.jobs: queue.Queue[tuple[str, bool] | None] = queue.Queue()
+        self.jobs: queue.Queue[tuple[str, bool, bool] | None] = queue.Queue()
         self.done: queue.Queue[BaseException | None] = queue.Queue()
         self.backend_pid = 0
 
@@ -271,7 +272,7 @@ class _DjangoEnqueuer(threading.Thread):
                 self.backend_pid = cur.fetchone()[0]
             self.done.put(None)
             while (job := self.jobs.get()) is not None:
-                queue_name, wait_for_standby = job
+                queue_name, wait_for_standby, many = job
                 try:
                     if wait_for_standby:  # the reload reached this session (read per command)
                         deadline = time.monotonic() + 10
@@ -282,14 +283,20 @@ class _DjangoEnqueuer(threading.Thread):
                                     break
                             assert time.monotonic() < deadline, "the reload did not take effect"
                             time.sleep(0.05)
+                    task = self.app.tasks["txn.add"]
                     with transaction.atomic(using=alias):
-                        apply_async_in(conn, self.app.tasks["txn.add"], (1, 2), queue=queue_name)
+                        if many:
+                            apply_many_in(conn, [task.s(1, 2), task.s(3, 4)], queue=queue_name)
+                        else:
+                            apply_async_in(conn, task, (1, 2), queue=queue_name)
                     self.done.put(None)
                 except BaseException as exc:  # reported to the test
                     self.done.put(exc)
 
-    def run_transaction(self, queue_name: str, *, wait_for_standby: bool = False) -> None:
-        self.jobs.put((queue_name, wait_for_standby))
+    def run_transaction(
+        self, queue_name: str, *, wait_for_standby: bool = False, many: bool = False
+    ) -> None:
+        self.jobs.put((queue_name, wait_for_standby, many))
 
     def finished(self, timeout: float = 30) -> None:
         error = self.done.get(timeout=timeout)
@@ -297,13 +304,15 @@ class _DjangoEnqueuer(threading.Thread):
             raise error
 
 
+@pytest.mark.parametrize("many", [False, True], ids=["apply_async_in", "apply_many_in"])
 @pytest.mark.parametrize("after_commit", [True, False], ids=["after-commit", "in-transaction"])
 def test_a_django_transaction_that_enqueues_lets_others_notify_while_it_commits(
-    private_url: str, after_commit: bool
+    private_url: str, after_commit: bool, many: bool
 ) -> None:
     """With Django's after-commit hook, a transaction that enqueues with ``apply_async_in``
-    no longer holds PostgreSQL's NOTIFY lock through its commit (here held open by a standby
-    that never confirms); with ``notify_after_commit`` off it does, as before."""
+    or ``apply_many_in`` no longer holds PostgreSQL's NOTIFY lock through its commit (here
+    held open by a standby that never confirms); with ``notify_after_commit`` off it does, as
+    before."""
     app = make_app(private_url, broker_transport_options={"notify_after_commit": after_commit})
     listener = psycopg.connect(private_url, autocommit=True)
     listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
@@ -316,7 +325,7 @@ def test_a_django_transaction_that_enqueues_lets_others_notify_while_it_commits(
         assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["django-warm"]
         _require_standby(private_url, True)
         try:
-            enqueuer.run_transaction("django-slow", wait_for_standby=True)
+            enqueuer.run_transaction("django-slow", wait_for_standby=True, many=many)
             _wait_for_standby_wait(private_url, enqueuer.backend_pid)
             _another_session_notifies(private_url, blocked=not after_commit)
         finally:
@@ -361,6 +370,52 @@ def test_a_django_rollback_or_rolled_back_savepoint_wakes_nobody(db_url: str) ->
         assert list(listener.notifies(timeout=0.3)) == []
         queues = listener.execute("SELECT queue FROM pgskip.jobs ORDER BY id").fetchall()
         assert queues == [("kept",), ("kept-too",)]
+    finally:
+        listener.close()
+        app.close()
+
+
+def test_a_django_transaction_wakes_each_queue_once_after_its_commit(db_url: str) -> None:
+    """Every job of one ``atomic()`` block owes its queue a NOTIFY; they go in one statement
+    after the commit, one per queue however many jobs it got, plus the earliest due time of
+    the scheduled ones. What a savepoint wrote is announced only if the savepoint was kept,
+    whether or not an outer level wrote to the same queue."""
+    from django.db import connections, transaction
+
+    app = make_app(db_url)
+    task = app.tasks["txn.add"]
+    listener = psycopg.connect(db_url, autocommit=True)
+    listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
+    listener.execute(f'LISTEN "{scheduled_channel("pgskip")}"')
+    try:
+        with django_database(db_url) as alias:
+            conn = connections[alias]
+            started = time.time()
+            with transaction.atomic(using=alias):
+                for n in range(3):
+                    apply_async_in(conn, task, (n, n), queue="a")
+                apply_many_in(conn, [task.s(1, 1), task.s(2, 2)], queue="b")
+                apply_async_in(conn, task, (1, 1), queue="b", countdown=7200)
+                apply_async_in(conn, task, (1, 1), queue="a", countdown=3600)
+                with contextlib.suppress(Rollback), transaction.atomic(using=alias):
+                    apply_async_in(conn, task, (1, 2), queue="a")  # a is woken anyway
+                    apply_many_in(conn, [task.s(1, 1)], queue="gone")
+                    apply_async_in(conn, task, (1, 1), queue="gone", countdown=60)
+                    raise Rollback
+                with transaction.atomic(using=alias):  # a savepoint, released
+                    apply_async_in(conn, task, (1, 2), queue="c")
+                apply_many_in(conn, [task.s(1, 1)], queue="a")
+                assert list(listener.notifies(timeout=0.3)) == []
+        notes = list(listener.notifies(timeout=2, stop_after=4))
+        notes += list(listener.notifies(timeout=0.5))  # and nothing more
+        woken = [n.payload for n in notes if n.channel == notify_channel("pgskip")]
+        assert woken == ["a", "b", "c"]
+        due = [float(n.payload) for n in notes if n.channel == scheduled_channel("pgskip")]
+        assert len(due) == 1 and started + 3600 - 5 < due[0] < time.time() + 3600 + 5
+        counts = listener.execute(
+            "SELECT queue, count(*) FROM pgskip.jobs GROUP BY queue ORDER BY queue"
+        ).fetchall()
+        assert counts == [("a", 5), ("b", 3), ("c", 1)]
     finally:
         listener.close()
         app.close()
