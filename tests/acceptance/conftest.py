@@ -15,6 +15,30 @@ import pytest
 APPS_DIR = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "apps")
 
 
+_DEMO_TEST = "test_demo_processes_exactly_the_committed_orders_and_fires_a_cron_tick"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """At the first acceptance test, when the demo's test is to run too, start the demo in the
+    background: it waits for pg_cron's minute tick, and so does ``test_cron_tick.py`` a few
+    tests later; started early, the two waits overlap, and the demo's own start-up is done by
+    the time they do."""
+    from tests.demo_support import DEMO_RUN, DemoRun
+
+    if DEMO_RUN in item.config.stash or not any(i.name == _DEMO_TEST for i in item.session.items):
+        return
+    item.config.stash[DEMO_RUN] = DemoRun()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A background demo whose test did not run (a failure with ``-x``): stop it."""
+    from tests.demo_support import DEMO_RUN
+
+    run = session.config.stash.get(DEMO_RUN, None)
+    if run is not None:
+        run.stop()
+
+
 @pytest.fixture
 def broker_url(db_url: str) -> str:
     import sys

@@ -20,15 +20,16 @@ def run_concurrency_scenario(
     log: Path,
     report_to: Path,
     *,
+    messages: int = MESSAGES,
     env: dict[str, str] | None = None,
 ) -> Figures:
-    ids = range(1, MESSAGES + 1)
+    ids = range(1, messages + 1)
     seed_s = seed(db_url, broker_url, ids)
     fleet = Fleet(broker_url, log, pool="prefork", concurrency=2, env=env)
     started = time.monotonic()
     try:
         fleet.start(WORKERS)
-        wait_finished(log, MESSAGES, 600, scenario)
+        wait_finished(log, messages, 600, scenario)
         wall = time.monotonic() - started
         time.sleep(1.0)  # a second delivery, if any, would show now
         assert fleet.all_running(), fleet.logs_tail()
@@ -42,10 +43,10 @@ def run_concurrency_scenario(
         states = conn.execute(
             "SELECT status::text, attempts, redelivered, count(*) FROM pgskip.jobs GROUP BY 1, 2, 3"
         ).fetchall()
-    assert states == [("completed", 1, False, MESSAGES)], states
+    assert states == [("completed", 1, False, messages)], states
     figures = Figures(
         scenario=scenario,
-        messages=MESSAGES,
+        messages=messages,
         faults=0,
         fault_kind="faults",
         duplicates=dups,
@@ -53,7 +54,7 @@ def run_concurrency_scenario(
         in_flight_at_faults=0,
         recovery_s=0.0,
         wall_s=round(wall, 1),
-        extra={"seed_s": round(seed_s, 1), "tasks_per_s": round(MESSAGES / wall)},
+        extra={"seed_s": round(seed_s, 1), "tasks_per_s": round(messages / wall)},
     )
     report(figures, report_to)
     return figures
