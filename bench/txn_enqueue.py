@@ -11,6 +11,9 @@ process count of ``--procs`` and each ``--commit-delays`` setting. ``commit_dela
 longer, as storage with a flush of milliseconds (network block storage, synchronous replication)
 does; 0 is this machine's disk as it is.
 
+``--driver psycopg`` runs the same on a psycopg 3 connection: ``kombu_pgskip.transaction(conn)``
+(the NOTIFYs after the commit) against a plain ``conn.transaction()`` (the NOTIFY inside).
+
 Runs its own EmbeddedPostgres (fsync on). Prints a table and writes the figures as JSON to
 ``--out``; asserts nothing.
 """
@@ -30,18 +33,22 @@ from .common import REPO, code_state, log, machine_info, median
 
 
 def _enqueuer(
-    url: str, after_commit: bool, jobs: int, seconds: float, start_at: float, out: Any
+    url: str,
+    driver: str,
+    after_commit: bool,
+    jobs: int,
+    seconds: float,
+    start_at: float,
+    out: Any,
 ) -> None:  # pragma: no cover - runs in a child process
-    from django.db import connections, transaction
-
     from kombu_pgskip import apply_async_in
-    from tests.publish_support import django_database, make_app
+    from tests.publish_support import make_app
 
     app = make_app(url, broker_transport_options={"notify_after_commit": after_commit})
     task = app.tasks["txn.add"]
-    with django_database(url) as alias:
-        conn = connections[alias]
-        with transaction.atomic(using=alias):  # connected, schema checked
+
+    def run(transaction_block: Any, execute: Any, conn: Any) -> None:
+        with transaction_block():  # connected, schema checked
             apply_async_in(conn, task, (1, 2), queue="bench")
         while time.time() < start_at:
             time.sleep(0.001)
@@ -49,22 +56,45 @@ def _enqueuer(
         t0 = time.perf_counter()
         end = t0 + seconds
         while time.perf_counter() < end:
-            with transaction.atomic(using=alias):
-                with conn.cursor() as cur:
-                    cur.execute("INSERT INTO orders (note) VALUES ('order')")
+            with transaction_block():
+                execute("INSERT INTO orders (note) VALUES ('order')")
                 for _ in range(jobs):
                     apply_async_in(conn, task, (1, 2), queue="bench")
             n += 1
         out.put((n, time.perf_counter() - t0))
+
+    if driver == "django":
+        from django.db import connections, transaction
+
+        from tests.publish_support import django_database
+
+        with django_database(url) as alias:
+            conn = connections[alias]
+
+            def execute(statement: str) -> None:
+                with conn.cursor() as cur:
+                    cur.execute(statement)
+
+            run(lambda: transaction.atomic(using=alias), execute, conn)
+    else:  # psycopg 3: kombu_pgskip.transaction() against a plain conn.transaction()
+        import kombu_pgskip
+
+        with psycopg.connect(url) as pg:
+            block = (lambda: kombu_pgskip.transaction(pg)) if after_commit else pg.transaction
+            run(block, pg.execute, pg)
     app.close()
 
 
-def _round(url: str, procs: int, after_commit: bool, jobs: int, seconds: float) -> float:
+def _round(
+    url: str, driver: str, procs: int, after_commit: bool, jobs: int, seconds: float
+) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     start_at = time.time() + 3.0  # every process imported and connected
     children = [
-        ctx.Process(target=_enqueuer, args=(url, after_commit, jobs, seconds, start_at, out))
+        ctx.Process(
+            target=_enqueuer, args=(url, driver, after_commit, jobs, seconds, start_at, out)
+        )
         for _ in range(procs)
     ]
     for child in children:
@@ -98,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--procs", type=ints, default=[1, 4, 8])
     parser.add_argument("--commit-delays", type=ints, default=[0, 2000])
     parser.add_argument("--jobs", type=int, default=1, help="apply_async_in per transaction")
+    parser.add_argument("--driver", choices=["django", "psycopg"], default="django")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "txn_enqueue"))
@@ -116,11 +147,14 @@ def main(argv: list[str] | None = None) -> None:
             for rnd in range(args.rounds):
                 for procs in args.procs:
                     for after_commit in (True, False):
-                        rate = _round(url, procs, after_commit, args.jobs, args.seconds)
+                        rate = _round(
+                            url, args.driver, procs, after_commit, args.jobs, args.seconds
+                        )
                         key = f"commit_delay={delay} procs={procs} after_commit={after_commit}"
                         report["rates"].setdefault(key, []).append(round(rate, 1))
                         log(f"round {rnd + 1}: {key}: {rate:,.0f} transactions/s")
-    print("\n| commit_delay (us) | processes | NOTIFY after the commit | NOTIFY inside |")
+    print(f"\n{args.driver}, {args.jobs} job(s) per transaction")
+    print("| commit_delay (us) | processes | NOTIFY after the commit | NOTIFY inside |")
     print("|---|---|---|---|")
     for delay in args.commit_delays:
         for procs in args.procs:

@@ -28,7 +28,7 @@ from .exceptions import (
     UnsupportedCanvas,
 )
 from .migrate import migrate
-from .publish import apply_async_in, send_task_in
+from .publish import apply_async_in, send_task_in, transaction
 from .urls import mask_url
 
 __version__ = "0.1.0"
@@ -69,4 +69,5 @@ __all__ = [
     "publish_many",
     "register",
     "send_task_in",
+    "transaction",
 ]

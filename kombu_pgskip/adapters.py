@@ -17,7 +17,9 @@ psycopg2, SQLAlchemy or Django.
 from __future__ import annotations
 
 import sys
+import threading
 import uuid
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -46,6 +48,9 @@ class AfterCommit(Protocol):
     after_commit_key: Hashable
 
     def __call__(self) -> None: ...
+
+    def merge(self, other: Any) -> None:
+        """Take in what ``other``, a callback with the same key, was to do."""
 
 
 _C = TypeVar("_C", bound=AfterCommit)
@@ -169,6 +174,53 @@ def _psycopg2_params(params: Mapping[str, Any]) -> dict[str, Any]:
     return {k: plain(v) for k, v in params.items()}
 
 
+class AfterCommitBlock:
+    """One :func:`kombu_pgskip.transaction` block open on a psycopg 3 connection: the
+    callbacks to run once the transaction it belongs to has committed.
+
+    ``depth`` is psycopg's count of transaction blocks open on the connection just inside this
+    one, or ``None`` where nothing can be deferred (the block does not end in a commit of ours
+    to wait for: the connection was already in a transaction, or in pipeline mode)."""
+
+    def __init__(self, depth: int | None) -> None:
+        self.depth = depth
+        self.callbacks: list[AfterCommit] = []
+
+    def absorb(self, callbacks: list[AfterCommit]) -> None:
+        """Take over the callbacks of a block nested in this one that was kept (its savepoint
+        released): from now on their fate is this block's, so each is merged into this
+        block's callback with the same key, if any."""
+        for callback in callbacks:
+            mine = next(
+                (c for c in self.callbacks if c.after_commit_key == callback.after_commit_key),
+                None,
+            )
+            if mine is None:
+                self.callbacks.append(callback)
+            else:
+                mine.merge(callback)
+
+
+#: the kombu_pgskip.transaction() blocks open on each psycopg 3 connection, innermost last
+_after_commit_blocks: weakref.WeakKeyDictionary[Any, list[AfterCommitBlock]] = (
+    weakref.WeakKeyDictionary()
+)
+_after_commit_lock = threading.Lock()
+
+
+def after_commit_blocks(conn: psycopg.Connection[Any]) -> list[AfterCommitBlock]:
+    """The stack of :class:`AfterCommitBlock` of ``conn`` (created empty)."""
+    with _after_commit_lock:
+        return _after_commit_blocks.setdefault(conn, [])
+
+
+def psycopg_depth(conn: psycopg.Connection[Any]) -> int | None:
+    """How many ``conn.transaction()`` blocks are open on ``conn`` (psycopg keeps the count
+    in a private attribute; ``None`` where a psycopg version has no such count)."""
+    depth = getattr(conn, "_num_transactions", None)
+    return depth if isinstance(depth, int) else None
+
+
 class PsycopgAdapter(Adapter):
     """A psycopg 3 connection (a cursor is accepted and its connection used)."""
 
@@ -182,6 +234,26 @@ class PsycopgAdapter(Adapter):
 
     def identity(self) -> object:
         return self.conn
+
+    def after_commit(self, key: Hashable, make: Callable[[], _C]) -> _C | None:
+        """Inside a :func:`kombu_pgskip.transaction` block only, and only while no other
+        transaction block (a savepoint of the caller's own, ``conn.transaction()``) is open
+        inside it: such a block may roll back without our knowing, so what is written in it
+        keeps its NOTIFY inside, where a rollback drops it."""
+        with _after_commit_lock:
+            blocks = _after_commit_blocks.get(self.conn)
+        if not blocks:
+            return None
+        block = blocks[-1]
+        if block.depth is None or psycopg_depth(self.conn) != block.depth:
+            return None
+        for callback in reversed(block.callbacks):
+            if getattr(callback, "after_commit_key", None) == key:
+                found: _C = callback  # type: ignore[assignment]
+                return found
+        made = make()
+        block.callbacks.append(made)
+        return made
 
     def _execute(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
         # A plain cursor whatever the connection's cursor_factory (a RawCursor would not take

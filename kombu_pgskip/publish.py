@@ -71,10 +71,19 @@ from kombu.connection import Connection as KombuConnection
 from kombu.messaging import Producer
 from kombu.transport import virtual
 from kombu.utils.uuid import uuid as kombu_uuid
-from psycopg import sql
+from psycopg import pq, sql
 
 from . import exceptions
-from .adapters import Adapter, Query, adapt, pyformat_text, quote_ident
+from .adapters import (
+    Adapter,
+    AfterCommitBlock,
+    Query,
+    adapt,
+    after_commit_blocks,
+    psycopg_depth,
+    pyformat_text,
+    quote_ident,
+)
 from .migrate import latest_version
 from .sql import queries_for, raw_queries
 from .store import NewMessage, Store, publish_chunks
@@ -252,6 +261,12 @@ class _Wakes:
 
     def __call__(self) -> None:
         self._store.announce(list(self._queues), self._due)
+
+    def merge(self, other: _Wakes) -> None:
+        """Owe what ``other`` owes too (a nested block's, once it was kept)."""
+        self._queues.update(other._queues)
+        if other._due is not None and (self._due is None or other._due < self._due):
+            self._due = other._due
 
 
 _VirtualChannel: Any = virtual.Channel
@@ -523,4 +538,73 @@ def send_task_in(
     return result
 
 
-__all__ = ["apply_async_in", "send_task_in"]
+@contextmanager
+def transaction(
+    conn: Any, savepoint_name: str | None = None, force_rollback: bool = False
+) -> Iterator[psycopg.Transaction]:
+    """``conn.transaction()`` on a psycopg 3 connection, with the NOTIFYs of the jobs enqueued
+    inside sent after its commit instead of inside it.
+
+    .. code-block:: python
+
+        with kombu_pgskip.transaction(conn):
+            order_id = create_order(conn, cart)
+            apply_async_in(conn, send_invoice_email, args=(order_id,))
+
+    Inside a plain ``conn.transaction()``, :func:`apply_async_in` and :func:`apply_many_in`
+    send their NOTIFY in the transaction, and PostgreSQL then holds its cluster-wide NOTIFY
+    lock from the commit until the commit is flushed (and confirmed by a synchronous standby):
+    transactions that enqueue commit one at a time. Here the jobs are written without it, and
+    once the outermost block has committed, one statement on ``conn`` (in autocommit: it leaves
+    no transaction open) sends one NOTIFY per queue, as on Django (:meth:`_CallerStore._wakes`).
+    A rollback, an exception, :class:`psycopg.Rollback` or ``force_rollback`` sends nothing.
+    The extra statement costs a round trip and a small transaction: it pays where many
+    processes enqueue and commits are slow (network storage, a synchronous standby), and
+    slows a single process on a fast local disk (docs/transactional-enqueue.md).
+
+    Nested blocks of this function are savepoints whose jobs are announced only if they were
+    kept. Jobs written inside a plain ``conn.transaction()`` opened within the block, or in a
+    block entered while ``conn`` was already in a transaction (its commit is not this block's)
+    or in pipeline mode, keep their NOTIFY inside the transaction, as without this function.
+    Yields psycopg's :class:`~psycopg.Transaction`; takes the arguments of
+    ``conn.transaction()``. Raises :class:`~kombu_pgskip.exceptions.NotAConnection` for
+    anything but a psycopg 3 connection or cursor.
+    """
+    if isinstance(conn, psycopg.Cursor):
+        conn = conn.connection
+    if not isinstance(conn, psycopg.Connection):
+        raise exceptions.NotAConnection(
+            "kombu_pgskip.transaction() takes a psycopg 3 connection or cursor, got "
+            f"{type(conn).__module__}.{type(conn).__qualname__}; on Django use "
+            "transaction.atomic() (apply_async_in already sends its NOTIFY after the commit "
+            "there); with other drivers, open the transaction as usual"
+        )
+    blocks = after_commit_blocks(conn)
+    parent = blocks[-1] if blocks else None
+    if parent is not None:
+        deferring = parent.depth is not None and psycopg_depth(conn) == parent.depth
+    else:
+        deferring = (
+            conn.info.transaction_status == pq.TransactionStatus.IDLE
+            and conn.pgconn.pipeline_status == pq.PipelineStatus.OFF
+        )
+    kept = False
+    with conn.transaction(savepoint_name, force_rollback) as tx:
+        block = AfterCommitBlock(psycopg_depth(conn) if deferring else None)
+        blocks.append(block)
+        try:
+            yield tx
+            kept = not force_rollback
+        finally:
+            blocks.pop()
+    # Committed (or, nested, released): psycopg raised otherwise, or swallowed a Rollback.
+    if not kept or not block.callbacks:
+        return
+    if parent is not None:
+        parent.absorb(block.callbacks)
+        return
+    for callback in block.callbacks:
+        callback()
+
+
+__all__ = ["apply_async_in", "send_task_in", "transaction"]

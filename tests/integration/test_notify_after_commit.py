@@ -24,6 +24,7 @@ import psycopg
 import pytest
 from celery import Celery
 
+import kombu_pgskip
 from kombu_pgskip.bulk import apply_many_in
 from kombu_pgskip.embedded import EmbeddedPostgres, find_bindir
 from kombu_pgskip.envelope import to_row
@@ -40,6 +41,15 @@ def _row(queue: str = "q", task_id: str = "id-1") -> NewMessage:
         "properties": {"priority": 0, "delivery_info": {}},
     }
     return to_row(queue, message, eta_threshold=60, max_message_size=10**6)
+
+
+def _listener(url: str, *, scheduled: bool = False) -> psycopg.Connection[Any]:
+    """A session listening on the queues' channel (and the scheduled one) of schema pgskip."""
+    listener = psycopg.connect(url, autocommit=True)
+    listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
+    if scheduled:
+        listener.execute(f'LISTEN "{scheduled_channel("pgskip")}"')
+    return listener
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +113,7 @@ def test_a_publish_waiting_for_its_commit_lets_others_notify(
     private_url: str, after_commit: bool
 ) -> None:
     store = Store(private_url, notify_after_commit=after_commit)
-    listener = psycopg.connect(private_url, autocommit=True)
-    listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
+    listener = _listener(private_url)
     store.publish(_row("warm"))  # connected and prepared before commits have to wait
     assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["warm"]
     published: list[Any] = []
@@ -148,8 +157,7 @@ def test_transaction_ids_per_publish(
 
 def test_a_publish_inside_a_transaction_notifies_at_its_commit(db_url: str) -> None:
     store = Store(db_url)
-    listener = psycopg.connect(db_url, autocommit=True)
-    listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
+    listener = _listener(db_url)
     try:
         with store.conn.transaction():
             row_id = store.publish(_row("in-tx"))
@@ -226,8 +234,7 @@ def test_a_failed_announcement_costs_only_its_wake_up(
     publish's NOTIFY fails, which is logged and not raised (the message is committed; raising
     would make Celery publish it again), and the next publish prepares it again."""
     store = Store(db_url)
-    listener = psycopg.connect(db_url, autocommit=True)
-    listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
+    listener = _listener(db_url)
     try:
         store.publish(_row("first"))
         store.conn.execute("DEALLOCATE pgskip_announce")
@@ -314,8 +321,7 @@ def test_a_django_transaction_that_enqueues_lets_others_notify_while_it_commits(
     held open by a standby that never confirms); with ``notify_after_commit`` off it does, as
     before."""
     app = make_app(private_url, broker_transport_options={"notify_after_commit": after_commit})
-    listener = psycopg.connect(private_url, autocommit=True)
-    listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
+    listener = _listener(private_url)
     enqueuer = _DjangoEnqueuer(private_url, app)
     enqueuer.start()
     try:
@@ -345,8 +351,7 @@ def test_a_django_rollback_or_rolled_back_savepoint_wakes_nobody(db_url: str) ->
 
     app = make_app(db_url)
     task = app.tasks["txn.add"]
-    listener = psycopg.connect(db_url, autocommit=True)
-    listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
+    listener = _listener(db_url)
     try:
         with django_database(db_url) as alias:
             conn = connections[alias]
@@ -384,9 +389,7 @@ def test_a_django_transaction_wakes_each_queue_once_after_its_commit(db_url: str
 
     app = make_app(db_url)
     task = app.tasks["txn.add"]
-    listener = psycopg.connect(db_url, autocommit=True)
-    listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
-    listener.execute(f'LISTEN "{scheduled_channel("pgskip")}"')
+    listener = _listener(db_url, scheduled=True)
     try:
         with django_database(db_url) as alias:
             conn = connections[alias]
@@ -472,3 +475,161 @@ def test_a_failed_notify_after_a_django_commit_is_logged_not_raised(
     finally:
         blocker.close()
         app.close()
+
+
+# -- kombu_pgskip.transaction on psycopg 3: the NOTIFY after the block's commit ----------------
+
+
+@pytest.mark.parametrize(
+    "ours", [True, False], ids=["kombu_pgskip.transaction", "conn.transaction"]
+)
+def test_a_psycopg_transaction_that_enqueues_lets_others_notify_while_it_commits(
+    private_url: str, ours: bool
+) -> None:
+    """Enqueued inside ``kombu_pgskip.transaction(conn)``, the job's NOTIFY waits for the
+    commit, so a commit held open by a standby that never confirms does not hold PostgreSQL's
+    NOTIFY lock; inside a plain ``conn.transaction()`` it does."""
+    app = make_app(private_url)
+    task = app.tasks["txn.add"]
+    listener = _listener(private_url)
+    conn = psycopg.connect(private_url, autocommit=True)
+    errors: list[BaseException] = []
+
+    def enqueue(queue_name: str) -> None:
+        try:
+            with kombu_pgskip.transaction(conn) if ours else conn.transaction():
+                apply_async_in(conn, task, (1, 2), queue=queue_name)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    try:
+        enqueue("pg-warm")  # schema checked before commits have to wait
+        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["pg-warm"]
+        thread = threading.Thread(target=enqueue, args=("pg-slow",))
+        _require_standby(private_url, True, conn)
+        try:
+            thread.start()
+            _wait_for_standby_wait(private_url, conn.info.backend_pid)
+            _another_session_notifies(private_url, blocked=not ours)
+        finally:
+            _require_standby(private_url, False)
+            thread.join(10)
+        assert not thread.is_alive() and errors == []
+        # Either way the job's consumers are woken once it is committed.
+        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["pg-slow"]
+    finally:
+        listener.close()
+        conn.close()
+        app.close()
+
+
+@dataclasses.dataclass
+class _Psycopg:
+    """A psycopg connection (not in autocommit mode: the NOTIFY after the commit must not leave
+    a transaction open on it), a task to enqueue, and a session listening to both channels."""
+
+    conn: psycopg.Connection[Any]
+    task: Any
+    listener: psycopg.Connection[Any]
+
+
+@pytest.fixture
+def on_psycopg(db_url: str) -> Iterator[_Psycopg]:
+    app = make_app(db_url)
+    listener = _listener(db_url, scheduled=True)
+    conn = psycopg.connect(db_url)
+    try:
+        yield _Psycopg(conn, app.tasks["txn.add"], listener)
+    finally:
+        listener.close()
+        conn.close()
+        app.close()
+
+
+def test_kombu_pgskip_transaction_wakes_each_queue_once_for_what_it_kept(
+    on_psycopg: _Psycopg,
+) -> None:
+    """After the commit, one NOTIFY per queue however many jobs it got, and one for the
+    earliest due time; what a nested block rolled back is not announced. A plain
+    ``conn.transaction()`` inside keeps its jobs' NOTIFY in the transaction (it may roll back
+    without our knowing), so its kept job wakes its queue at the commit itself."""
+    conn, task, listener = on_psycopg.conn, on_psycopg.task, on_psycopg.listener
+    started = time.time()
+    with kombu_pgskip.transaction(conn):
+        for n in range(3):
+            apply_async_in(conn, task, (n, n), queue="a")
+        apply_many_in(conn, [task.s(1, 1), task.s(2, 2)], queue="b")
+        apply_async_in(conn, task, (1, 1), queue="b", countdown=7200)
+        apply_async_in(conn, task, (1, 1), queue="a", countdown=3600)
+        with contextlib.suppress(Rollback), kombu_pgskip.transaction(conn):
+            apply_async_in(conn, task, (1, 2), queue="gone")
+            apply_async_in(conn, task, (1, 2), queue="a")  # a is woken anyway
+            raise Rollback
+        with kombu_pgskip.transaction(conn):  # a savepoint, released
+            apply_async_in(conn, task, (1, 2), queue="c")
+            apply_many_in(conn, [task.s(1, 1)], queue="a")
+        with contextlib.suppress(Rollback), conn.transaction():
+            apply_async_in(conn, task, (1, 2), queue="plain-gone")
+            raise Rollback
+        with conn.transaction():
+            apply_async_in(conn, task, (1, 2), queue="plain-kept")
+        assert list(listener.notifies(timeout=0.3)) == []
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    notes = list(listener.notifies(timeout=2, stop_after=5))
+    notes += list(listener.notifies(timeout=0.5))  # and nothing more
+    woken = [n.payload for n in notes if n.channel == notify_channel("pgskip")]
+    # One statement after the commit: the released block's queues merged into the outer's.
+    assert woken == ["plain-kept", "a", "b", "c"]
+    due = [float(n.payload) for n in notes if n.channel == scheduled_channel("pgskip")]
+    assert len(due) == 1 and started + 3600 - 5 < due[0] < time.time() + 3600 + 5
+    counts = listener.execute(
+        "SELECT queue, count(*) FROM pgskip.jobs GROUP BY queue ORDER BY queue"
+    ).fetchall()
+    assert counts == [("a", 5), ("b", 3), ("c", 1), ("plain-kept", 1)]
+    # Nothing of ours is left prepared in the caller's session.
+    prepared = conn.execute(
+        "SELECT name FROM pg_prepared_statements WHERE name LIKE 'pgskip%%'"
+    ).fetchall()
+    assert prepared == []
+
+
+def test_kombu_pgskip_transaction_rolled_back_writes_and_wakes_nothing(
+    on_psycopg: _Psycopg,
+) -> None:
+    conn, task, listener = on_psycopg.conn, on_psycopg.task, on_psycopg.listener
+    with pytest.raises(ValueError, match="declined"), kombu_pgskip.transaction(conn):
+        apply_async_in(conn, task, (1, 2), queue="raised")
+        raise ValueError("payment declined")
+    with kombu_pgskip.transaction(conn):
+        apply_async_in(conn, task, (1, 2), queue="psycopg-rollback")
+        raise psycopg.Rollback()
+    with kombu_pgskip.transaction(conn, force_rollback=True):
+        apply_async_in(conn, task, (1, 2), queue="forced")
+    assert list(listener.notifies(timeout=0.5)) == []
+    assert listener.execute("SELECT count(*) FROM pgskip.jobs").fetchone() == (0,)
+
+
+def test_kombu_pgskip_transaction_inside_an_open_transaction_notifies_at_its_commit(
+    on_psycopg: _Psycopg,
+) -> None:
+    """Entered while the connection is already in a transaction, the block is a savepoint
+    whose commit is the caller's later ``conn.commit()``: the NOTIFY stays inside and wakes the
+    queue then."""
+    conn, listener = on_psycopg.conn, on_psycopg.listener
+    conn.execute("SELECT 1")  # psycopg opened a transaction
+    with kombu_pgskip.transaction(conn):
+        apply_async_in(conn, on_psycopg.task, (1, 2), queue="later")
+    assert list(listener.notifies(timeout=0.3)) == []
+    conn.commit()
+    assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["later"]
+
+
+def test_kombu_pgskip_transaction_refuses_what_is_not_a_psycopg_connection() -> None:
+    from kombu_pgskip.exceptions import NotAConnection
+
+    not_a_connection = object()
+    with (
+        pytest.raises(NotAConnection, match=r"psycopg 3 connection or cursor, got builtins"),
+        kombu_pgskip.transaction(not_a_connection),
+    ):
+        pass
