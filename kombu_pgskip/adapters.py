@@ -186,15 +186,16 @@ class AfterCommitBlock:
         self.depth = depth
         self.callbacks: list[AfterCommit] = []
 
+    def find(self, key: Hashable) -> AfterCommit | None:
+        """This block's callback with ``key``, if any."""
+        return next((c for c in self.callbacks if c.after_commit_key == key), None)
+
     def absorb(self, callbacks: list[AfterCommit]) -> None:
         """Take over the callbacks of a block nested in this one that was kept (its savepoint
         released): from now on their fate is this block's, so each is merged into this
         block's callback with the same key, if any."""
         for callback in callbacks:
-            mine = next(
-                (c for c in self.callbacks if c.after_commit_key == callback.after_commit_key),
-                None,
-            )
+            mine = self.find(callback.after_commit_key)
             if mine is None:
                 self.callbacks.append(callback)
             else:
@@ -247,10 +248,9 @@ class PsycopgAdapter(Adapter):
         block = blocks[-1]
         if block.depth is None or psycopg_depth(self.conn) != block.depth:
             return None
-        for callback in reversed(block.callbacks):
-            if getattr(callback, "after_commit_key", None) == key:
-                found: _C = callback  # type: ignore[assignment]
-                return found
+        found = block.find(key)
+        if found is not None:
+            return found  # type: ignore[return-value]
         made = make()
         block.callbacks.append(made)
         return made

@@ -125,11 +125,11 @@ class _CallerStore(Store):
     """The broker's statements, run on the caller's connection through an :class:`Adapter`."""
 
     def __init__(self, adapter: Adapter, *, schema: str, notify_after_commit: bool = True) -> None:
-        """``notify_after_commit``: where the driver has an after-commit hook
-        (:meth:`Adapter.after_commit`), a single publish's NOTIFY is sent on the caller's
-        connection right after the caller's commit (see :meth:`_insert_announced`);
-        elsewhere it stays in the caller's transaction, which alone makes a rollback wake
-        nobody."""
+        """``notify_after_commit``: where the caller's connection has an after-commit hook
+        (:meth:`Adapter.after_commit`: Django's ``on_commit``, a :func:`transaction` block on
+        psycopg 3), the NOTIFYs are sent on it right after the caller's commit (see
+        :meth:`_wakes`); elsewhere they stay in the caller's transaction, which alone makes a
+        rollback wake nobody."""
         super().__init__(
             f"caller's {adapter.driver} connection",
             schema=schema,
@@ -163,9 +163,10 @@ class _CallerStore(Store):
         return self.execute(name, params)
 
     def _wakes(self) -> _Wakes | None:
-        """Where the driver has an after-commit hook (Django) and ``notify_after_commit`` is
-        on: the NOTIFYs this savepoint of the caller's transaction owes, to which a write adds
-        its own; they are sent in one statement right after the commit.
+        """Where the connection has an after-commit hook (Django's ``on_commit``, a
+        :func:`transaction` block on psycopg 3) and ``notify_after_commit`` is on: the
+        NOTIFYs this savepoint of the caller's transaction owes, to which a write adds its own;
+        they are sent in one statement right after the commit.
 
         PostgreSQL holds one lock for the whole cluster from the commit of a transaction that
         notified until that commit is flushed (and confirmed by a synchronous standby): with
@@ -256,7 +257,11 @@ class _Wakes:
     def add(self, queue: str, status: str, run_at: datetime | None) -> None:
         if status == "pending":
             self._queues[queue] = None
-        elif run_at is not None and (self._due is None or run_at < self._due):
+        else:
+            self._due_at(run_at)
+
+    def _due_at(self, run_at: datetime | None) -> None:
+        if run_at is not None and (self._due is None or run_at < self._due):
             self._due = run_at
 
     def __call__(self) -> None:
@@ -265,8 +270,7 @@ class _Wakes:
     def merge(self, other: _Wakes) -> None:
         """Owe what ``other`` owes too (a nested block's, once it was kept)."""
         self._queues.update(other._queues)
-        if other._due is not None and (self._due is None or other._due < self._due):
-            self._due = other._due
+        self._due_at(other._due)
 
 
 _VirtualChannel: Any = virtual.Channel
