@@ -13,6 +13,9 @@ does; 0 is this machine's disk as it is.
 
 ``--driver psycopg`` runs the same on a psycopg 3 connection: ``kombu_pgskip.transaction(conn)``
 (the NOTIFYs after the commit) against a plain ``conn.transaction()`` (the NOTIFY inside).
+``--driver sqlalchemy`` (or ``sqlalchemy-psycopg2``) on a SQLAlchemy ``Session`` over psycopg
+(psycopg2), ``with session.begin():``, with ``notify_after_commit`` on (the NOTIFYs from the
+session's ``after_commit`` event) and off.
 
 Runs its own EmbeddedPostgres (fsync on). Prints a table and writes the figures as JSON to
 ``--out``; asserts nothing.
@@ -76,6 +79,15 @@ def _enqueuer(
                     cur.execute(statement)
 
             run(lambda: transaction.atomic(using=alias), execute, conn)
+    elif driver.startswith("sqlalchemy"):
+        import sqlalchemy as sa
+        from sqlalchemy.orm import Session
+
+        dbapi = "psycopg2" if driver == "sqlalchemy-psycopg2" else "psycopg"
+        engine = sa.create_engine(url.replace("postgresql://", f"postgresql+{dbapi}://", 1))
+        with Session(engine) as session:
+            run(session.begin, lambda statement: session.execute(sa.text(statement)), session)
+        engine.dispose()
     else:  # psycopg 3: kombu_pgskip.transaction() against a plain conn.transaction()
         import kombu_pgskip
 
@@ -128,7 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--procs", type=ints, default=[1, 4, 8])
     parser.add_argument("--commit-delays", type=ints, default=[0, 2000])
     parser.add_argument("--jobs", type=int, default=1, help="apply_async_in per transaction")
-    parser.add_argument("--driver", choices=["django", "psycopg"], default="django")
+    parser.add_argument(
+        "--driver",
+        choices=["django", "psycopg", "sqlalchemy", "sqlalchemy-psycopg2"],
+        default="django",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "txn_enqueue"))

@@ -7,9 +7,15 @@ Django (over either). An adapter
   it is open, its transaction is not aborted, and it is not in autocommit mode outside an
   explicit transaction (where the job would be committed on its own);
 * runs one statement and returns its rows as tuples (:meth:`Adapter.run`), translating the
-  driver's errors that have a clearer meaning (by SQLSTATE, never by message text).
+  driver's errors that have a clearer meaning (by SQLSTATE, never by message text);
+* where the driver or framework has an after-commit hook (Django's ``on_commit``, a
+  SQLAlchemy ``Session``'s ``after_commit`` event, a :func:`kombu_pgskip.transaction` block
+  on psycopg 3), keeps callbacks to run once the caller's transaction has committed
+  (:meth:`Adapter.after_commit`), dropped with a savepoint rolled back.
 
-An adapter never commits, rolls back or closes the caller's connection, and never opens one.
+An adapter never commits, rolls back or closes the caller's transaction or connection, and
+never opens one: the one statement a callback runs after the caller's commit is committed on
+its own.
 Only the driver modules the caller already imported are looked at: nothing here imports
 psycopg2, SQLAlchemy or Django.
 """
@@ -108,6 +114,11 @@ class Adapter(ABC):
         transaction). Asked before the statement that the callback follows is run."""
         return None
 
+    def run_after_commit(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
+        """Run a statement from a callback of :meth:`after_commit`, once the caller's
+        transaction has committed (Django: in autocommit mode again, as :meth:`run`)."""
+        return self.run(query, text, params)
+
     def run(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
         """Run one statement on the caller's connection and return its rows as tuples."""
         try:
@@ -174,17 +185,21 @@ def _psycopg2_params(params: Mapping[str, Any]) -> dict[str, Any]:
     return {k: plain(v) for k, v in params.items()}
 
 
-class AfterCommitBlock:
-    """One :func:`kombu_pgskip.transaction` block open on a psycopg 3 connection: the
-    callbacks to run once the transaction it belongs to has committed.
+class AfterCommitCallbacks:
+    """The callbacks written at one level of a caller's transaction (the transaction, or a
+    savepoint in it), to run once the transaction has committed."""
 
-    ``depth`` is psycopg's count of transaction blocks open on the connection just inside this
-    one, or ``None`` where nothing can be deferred (the block does not end in a commit of ours
-    to wait for: the connection was already in a transaction, or in pipeline mode)."""
-
-    def __init__(self, depth: int | None) -> None:
-        self.depth = depth
+    def __init__(self) -> None:
         self.callbacks: list[AfterCommit] = []
+
+    def find_or_add(self, key: Hashable, make: Callable[[], _C]) -> _C:
+        """The callback with ``key``; made and added by ``make()`` if there is none yet."""
+        found = self.find(key)
+        if found is not None:
+            return found  # type: ignore[return-value]
+        made = make()
+        self.callbacks.append(made)
+        return made
 
     def find(self, key: Hashable) -> AfterCommit | None:
         """This block's callback with ``key``, if any."""
@@ -200,6 +215,18 @@ class AfterCommitBlock:
                 self.callbacks.append(callback)
             else:
                 mine.merge(callback)
+
+
+class AfterCommitBlock(AfterCommitCallbacks):
+    """One :func:`kombu_pgskip.transaction` block open on a psycopg 3 connection.
+
+    ``depth`` is psycopg's count of transaction blocks open on the connection just inside this
+    one, or ``None`` where nothing can be deferred (the block does not end in a commit of ours
+    to wait for: the connection was already in a transaction, or in pipeline mode)."""
+
+    def __init__(self, depth: int | None) -> None:
+        super().__init__()
+        self.depth = depth
 
 
 #: the kombu_pgskip.transaction() blocks open on each psycopg 3 connection, innermost last
@@ -248,12 +275,7 @@ class PsycopgAdapter(Adapter):
         block = blocks[-1]
         if block.depth is None or psycopg_depth(self.conn) != block.depth:
             return None
-        found = block.find(key)
-        if found is not None:
-            return found  # type: ignore[return-value]
-        made = make()
-        block.callbacks.append(made)
-        return made
+        return block.find_or_add(key, make)
 
     def _execute(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
         # A plain cursor whatever the connection's cursor_factory (a RawCursor would not take
@@ -286,6 +308,47 @@ class Psycopg2Adapter(Adapter):
             return [tuple(r) for r in cur.fetchall()] if cur.description is not None else []
 
 
+#: what each SQLAlchemy ``SessionTransaction`` (a session's transaction, or a savepoint of
+#: it) owes after the commit
+_session_levels: weakref.WeakKeyDictionary[Any, AfterCommitCallbacks] = weakref.WeakKeyDictionary()
+#: the sessions whose commits are watched (see SQLAlchemyAdapter.after_commit)
+_watched_sessions: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _session_level(transaction: Any) -> AfterCommitCallbacks:
+    with _after_commit_lock:
+        level = _session_levels.get(transaction)
+        if level is None:
+            level = _session_levels[transaction] = AfterCommitCallbacks()
+        return level
+
+
+def _session_committed(session: Any) -> None:
+    """SQLAlchemy's ``after_commit``: a savepoint was released (the session's nested
+    transaction is the one committing), or the session's transaction committed. What a
+    released savepoint owed now belongs to the level around it; what the transaction owed
+    runs now, while the session still holds the connection that committed."""
+    nested = session.get_nested_transaction()
+    committing = nested if nested is not None else session.get_transaction()
+    with _after_commit_lock:
+        level = _session_levels.pop(committing, None) if committing is not None else None
+    if level is None:
+        return
+    if nested is not None:
+        _session_level(_enclosing_level(nested)).absorb(level.callbacks)
+        return
+    for callback in level.callbacks:
+        callback()
+
+
+def _enclosing_level(nested: Any) -> Any:
+    """The session transaction, or the savepoint, that ``nested`` (a savepoint) is inside."""
+    parent = nested.parent
+    while parent.parent is not None and not parent.nested:
+        parent = parent.parent
+    return parent
+
+
 class SQLAlchemyAdapter(Adapter):
     """A SQLAlchemy 2 ``Connection`` (a ``Session`` is accepted: its ``connection()`` is used).
 
@@ -307,6 +370,7 @@ class SQLAlchemyAdapter(Adapter):
             )
         self.conn = conn
         self._pg2 = dialect.driver == "psycopg2"
+        self.session: Any = None  # the Session the connection came from, if any
 
     @classmethod
     def from_session(cls, session: Any) -> SQLAlchemyAdapter:
@@ -316,7 +380,56 @@ class SQLAlchemyAdapter(Adapter):
         except Exception as exc:
             _raise_sqlalchemy_state_error(exc)
             raise
-        return cls(conn)
+        adapter = cls(conn)
+        adapter.session = session
+        return adapter
+
+    def after_commit(self, key: Hashable, make: Callable[[], _C]) -> _C | None:
+        """Given a ``Session`` only, through its ``after_commit`` event, which SQLAlchemy
+        fires once the connection has committed and before the session lets go of it (and
+        also when a savepoint of ``begin_nested()`` is released). A callback belongs to the
+        session's innermost transaction level when it is made: one that is rolled back
+        (``rollback()``, a savepoint rolled back) takes it away, one released hands it to
+        the level around it. Not for a bare ``Connection`` (Core has no after-commit event),
+        nor while a savepoint opened on the connection itself, which the session does not
+        know of, is open."""
+        session = self.session
+        if session is None:
+            return None
+        level = session.get_nested_transaction()
+        if level is None:
+            if self.conn.get_nested_transaction() is not None:
+                return None
+            level = session.get_transaction()
+            if level is None:
+                return None
+        with _after_commit_lock:
+            if session not in _watched_sessions:
+                sys.modules["sqlalchemy"].event.listen(session, "after_commit", _session_committed)
+                _watched_sessions.add(session)
+        return _session_level(level).find_or_add(key, make)
+
+    def run_after_commit(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:
+        """On the driver's own connection (psycopg2 here: a psycopg 3 one is run through
+        libpq before this is asked). SQLAlchemy's ``Connection`` has committed and would
+        begin a new transaction, which the session rolls back as it lets go of the
+        connection. With no transaction open the statement is committed on its own; where
+        the session's commit did not end the connection's transaction (a session joined to a
+        transaction of the caller's), it runs in that one, which commits it or not."""
+        raw = self.identity()
+        # Idle: in autocommit for this statement only (psycopg2 would otherwise send a BEGIN
+        # and then need a COMMIT, two more round trips); the switch itself sends nothing.
+        switch = int(raw.get_transaction_status()) == _IDLE and not raw.autocommit
+        ext = sys.modules["psycopg2.extensions"]
+        if switch:
+            raw.autocommit = True
+        try:
+            with raw.cursor(cursor_factory=ext.cursor) as cur:
+                cur.execute(text, _psycopg2_params(params))
+                return [tuple(r) for r in cur.fetchall()] if cur.description is not None else []
+        finally:
+            if switch:
+                raw.autocommit = False
 
     def check(self) -> None:
         conn = self.conn
@@ -328,7 +441,7 @@ class SQLAlchemyAdapter(Adapter):
             raise exceptions.TransactionAborted()
         _check_driver_connection(self.identity(), self.driver)
 
-    def identity(self) -> object:
+    def identity(self) -> Any:
         return self.conn.connection.dbapi_connection
 
     def _execute(self, query: Query, text: str, params: Mapping[str, Any]) -> Rows:

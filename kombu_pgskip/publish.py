@@ -13,9 +13,10 @@ Guarantee
 The job is a row written by the caller's connection, in the caller's transaction:
 
 * **commit**: the job exists, and workers idle on LISTEN wake at once (the notification is
-  sent at commit; on Django, by an ``on_commit`` callback right after it, one statement for
-  all the transaction's jobs, so that the commit does not hold PostgreSQL's cluster-wide
-  NOTIFY lock);
+  sent at commit; on Django, by an ``on_commit`` callback right after it, on a SQLAlchemy
+  ``Session`` by its ``after_commit`` event, and in a :func:`transaction` block on psycopg 3,
+  one statement for all the transaction's jobs, so that the commit does not hold
+  PostgreSQL's cluster-wide NOTIFY lock);
 * **rollback** (or rollback to a savepoint taken before the call): no job, no wake-up, as if
   :func:`apply_async_in` had never been called.
 
@@ -126,10 +127,10 @@ class _CallerStore(Store):
 
     def __init__(self, adapter: Adapter, *, schema: str, notify_after_commit: bool = True) -> None:
         """``notify_after_commit``: where the caller's connection has an after-commit hook
-        (:meth:`Adapter.after_commit`: Django's ``on_commit``, a :func:`transaction` block on
-        psycopg 3), the NOTIFYs are sent on it right after the caller's commit (see
-        :meth:`_wakes`); elsewhere they stay in the caller's transaction, which alone makes a
-        rollback wake nobody."""
+        (:meth:`Adapter.after_commit`: Django's ``on_commit``, a SQLAlchemy ``Session``'s
+        ``after_commit`` event, a :func:`transaction` block on psycopg 3), the NOTIFYs are
+        sent on it right after the caller's commit (see :meth:`_wakes`); elsewhere they stay
+        in the caller's transaction, which alone makes a rollback wake nobody."""
         super().__init__(
             f"caller's {adapter.driver} connection",
             schema=schema,
@@ -164,9 +165,10 @@ class _CallerStore(Store):
 
     def _wakes(self) -> _Wakes | None:
         """Where the connection has an after-commit hook (Django's ``on_commit``, a
-        :func:`transaction` block on psycopg 3) and ``notify_after_commit`` is on: the
-        NOTIFYs this savepoint of the caller's transaction owes, to which a write adds its own;
-        they are sent in one statement right after the commit.
+        SQLAlchemy ``Session``, a :func:`transaction` block on psycopg 3) and
+        ``notify_after_commit`` is on: the NOTIFYs this savepoint of the caller's transaction
+        owes, to which a write adds its own; they are sent in one statement right after the
+        commit.
 
         PostgreSQL holds one lock for the whole cluster from the commit of a transaction that
         notified until that commit is flushed (and confirmed by a synchronous standby): with
@@ -205,7 +207,8 @@ class _CallerStore(Store):
             if isinstance(raw, psycopg.Connection):
                 self._statement("announce_many").run(raw, params)
             else:
-                self.execute("announce_many", params)
+                query = self.q["announce_many"]
+                self.adapter.run_after_commit(query, self._text(query), params)
         except Exception as exc:  # the jobs are committed: raising would reach the caller's commit
             logger.warning(
                 "the NOTIFY after the caller's commit failed (consumers find the job at "
@@ -235,12 +238,15 @@ class _CallerStore(Store):
         return self.publish_many(list(messages))
 
     def run(self, query: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        return self.adapter.run(query, self._text(query), params)
+
+    def _text(self, query: Any) -> str:
+        """``query`` as text for pyformat drivers."""
         known = _statement_texts(self.schema).get(id(query))
         if known is not None and known[0] is query:
-            text = known[1]
-        else:  # not a queries.sql statement: render it (psycopg >= 3.2 needs no connection)
-            text = query.as_string(None) if isinstance(query, sql.Composable) else str(query)
-        return self.adapter.run(query, text, params)
+            return known[1]
+        # not a queries.sql statement: render it (psycopg >= 3.2 needs no connection)
+        return query.as_string(None) if isinstance(query, sql.Composable) else str(query)
 
 
 class _Wakes:

@@ -89,8 +89,9 @@ option                        default    meaning
                                          trip, so concurrent publishers' commits are not
                                          serialised by PostgreSQL's cluster-wide NOTIFY lock
                                          (two transaction ids per publish); apply_async_in and
-                                         apply_many_in on Django send theirs after the
-                                         caller's commit (on_commit), one statement for all.
+                                         apply_many_in on Django, on a SQLAlchemy Session and
+                                         in kombu_pgskip.transaction() send theirs after the
+                                         caller's commit, one statement for all.
                                          False: the NOTIFY in the insert's transaction (one id)
 ``xmin_horizon_warning``      300.0      log a WARNING naming the session, prepared transaction
                                          or replication slot that has held the database's xmin

@@ -342,6 +342,9 @@ DRIVERS: dict[str, Callable[[str], Driver]] = {
     "sqlalchemy-psycopg-connection": sqlalchemy_driver,
     "sqlalchemy-psycopg2-connection": lambda url: sqlalchemy_driver(url, dbapi="psycopg2"),
     "sqlalchemy-psycopg-session": lambda url: sqlalchemy_driver(url, session=True),
+    "sqlalchemy-psycopg2-session": lambda url: sqlalchemy_driver(
+        url, dbapi="psycopg2", session=True
+    ),
     "django": django_driver,
     "django-proxy": lambda url: django_driver(url, proxy=True),
 }

@@ -17,7 +17,7 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -50,6 +50,26 @@ def _listener(url: str, *, scheduled: bool = False) -> psycopg.Connection[Any]:
     if scheduled:
         listener.execute(f'LISTEN "{scheduled_channel("pgskip")}"')
     return listener
+
+
+def _woken_once_each(
+    listener: psycopg.Connection[Any],
+    queues: list[str],
+    started: float,
+    counts: list[tuple[str, int]],
+) -> None:
+    """After a commit: each of ``queues`` woken once, in that order, one announcement of the
+    earliest due time (an hour after ``started``), nothing more; ``counts`` jobs per queue."""
+    notes = list(listener.notifies(timeout=2, stop_after=len(queues) + 1))
+    notes += list(listener.notifies(timeout=0.5))  # and nothing more
+    woken = [n.payload for n in notes if n.channel == notify_channel("pgskip")]
+    assert woken == queues
+    due = [float(n.payload) for n in notes if n.channel == scheduled_channel("pgskip")]
+    assert len(due) == 1 and started + 3600 - 5 < due[0] < time.time() + 3600 + 5
+    rows = listener.execute(
+        "SELECT queue, count(*) FROM pgskip.jobs GROUP BY queue ORDER BY queue"
+    ).fetchall()
+    assert rows == counts
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +117,29 @@ def _wait_for_standby_wait(url: str, pid: int) -> None:
             time.sleep(0.02)
 
 
+def _while_a_commit_waits_for_the_standby(
+    url: str,
+    commit: Callable[[], Any],
+    pid: int,
+    *,
+    others_blocked: bool,
+    sessions: Sequence[psycopg.Connection[Any]] = (),
+) -> None:
+    """Run ``commit`` in a thread while commits wait for a standby that never comes; once
+    backend ``pid`` waits for it, another session notifies, and goes through or
+    (``others_blocked``) waits for the NOTIFY lock; then the commit is let go."""
+    thread = threading.Thread(target=commit)
+    _require_standby(url, True, *sessions)
+    try:
+        thread.start()
+        _wait_for_standby_wait(url, pid)
+        _another_session_notifies(url, blocked=others_blocked)
+    finally:
+        _require_standby(url, False)
+        thread.join(10)
+    assert not thread.is_alive()
+
+
 def _another_session_notifies(url: str, *, blocked: bool) -> None:
     """A NOTIFY from a new session goes through, or (``blocked``) waits for the NOTIFY lock
     until lock_timeout turns the wait into an error."""
@@ -117,19 +160,16 @@ def test_a_publish_waiting_for_its_commit_lets_others_notify(
     store.publish(_row("warm"))  # connected and prepared before commits have to wait
     assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["warm"]
     published: list[Any] = []
-    thread = threading.Thread(target=lambda: published.append(store.publish(_row("slow"))))
-    _require_standby(private_url, True, store.conn)
     try:
-        thread.start()
-        _wait_for_standby_wait(private_url, store.conn.info.backend_pid)
         # Another session notifies (as another publisher's announcement would) while the
         # publish waits for the standby.
-        _another_session_notifies(private_url, blocked=not after_commit)
-    finally:
-        _require_standby(private_url, False)
-        thread.join(10)
-    try:
-        assert not thread.is_alive()
+        _while_a_commit_waits_for_the_standby(
+            private_url,
+            lambda: published.append(store.publish(_row("slow"))),
+            store.conn.info.backend_pid,
+            others_blocked=not after_commit,
+            sessions=[store.conn],
+        )
         assert len(published) == 1 and published[0] > 0
         # The publish still wakes the queue's consumers once its row is committed.
         assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["slow"]
@@ -409,16 +449,7 @@ def test_a_django_transaction_wakes_each_queue_once_after_its_commit(db_url: str
                     apply_async_in(conn, task, (1, 2), queue="c")
                 apply_many_in(conn, [task.s(1, 1)], queue="a")
                 assert list(listener.notifies(timeout=0.3)) == []
-        notes = list(listener.notifies(timeout=2, stop_after=4))
-        notes += list(listener.notifies(timeout=0.5))  # and nothing more
-        woken = [n.payload for n in notes if n.channel == notify_channel("pgskip")]
-        assert woken == ["a", "b", "c"]
-        due = [float(n.payload) for n in notes if n.channel == scheduled_channel("pgskip")]
-        assert len(due) == 1 and started + 3600 - 5 < due[0] < time.time() + 3600 + 5
-        counts = listener.execute(
-            "SELECT queue, count(*) FROM pgskip.jobs GROUP BY queue ORDER BY queue"
-        ).fetchall()
-        assert counts == [("a", 5), ("b", 3), ("c", 1)]
+        _woken_once_each(listener, ["a", "b", "c"], started, [("a", 5), ("b", 3), ("c", 1)])
     finally:
         listener.close()
         app.close()
@@ -505,16 +536,14 @@ def test_a_psycopg_transaction_that_enqueues_lets_others_notify_while_it_commits
     try:
         enqueue("pg-warm")  # schema checked before commits have to wait
         assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["pg-warm"]
-        thread = threading.Thread(target=enqueue, args=("pg-slow",))
-        _require_standby(private_url, True, conn)
-        try:
-            thread.start()
-            _wait_for_standby_wait(private_url, conn.info.backend_pid)
-            _another_session_notifies(private_url, blocked=not ours)
-        finally:
-            _require_standby(private_url, False)
-            thread.join(10)
-        assert not thread.is_alive() and errors == []
+        _while_a_commit_waits_for_the_standby(
+            private_url,
+            lambda: enqueue("pg-slow"),
+            conn.info.backend_pid,
+            others_blocked=not ours,
+            sessions=[conn],
+        )
+        assert errors == []
         # Either way the job's consumers are woken once it is committed.
         assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["pg-slow"]
     finally:
@@ -575,17 +604,13 @@ def test_kombu_pgskip_transaction_wakes_each_queue_once_for_what_it_kept(
             apply_async_in(conn, task, (1, 2), queue="plain-kept")
         assert list(listener.notifies(timeout=0.3)) == []
     assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-    notes = list(listener.notifies(timeout=2, stop_after=5))
-    notes += list(listener.notifies(timeout=0.5))  # and nothing more
-    woken = [n.payload for n in notes if n.channel == notify_channel("pgskip")]
     # One statement after the commit: the released block's queues merged into the outer's.
-    assert woken == ["plain-kept", "a", "b", "c"]
-    due = [float(n.payload) for n in notes if n.channel == scheduled_channel("pgskip")]
-    assert len(due) == 1 and started + 3600 - 5 < due[0] < time.time() + 3600 + 5
-    counts = listener.execute(
-        "SELECT queue, count(*) FROM pgskip.jobs GROUP BY queue ORDER BY queue"
-    ).fetchall()
-    assert counts == [("a", 5), ("b", 3), ("c", 1), ("plain-kept", 1)]
+    _woken_once_each(
+        listener,
+        ["plain-kept", "a", "b", "c"],
+        started,
+        [("a", 5), ("b", 3), ("c", 1), ("plain-kept", 1)],
+    )
     # Nothing of ours is left prepared in the caller's session.
     prepared = conn.execute(
         "SELECT name FROM pg_prepared_statements WHERE name LIKE 'pgskip%%'"
@@ -633,3 +658,146 @@ def test_kombu_pgskip_transaction_refuses_what_is_not_a_psycopg_connection() -> 
         kombu_pgskip.transaction(not_a_connection),
     ):
         pass
+
+
+# -- apply_async_in on a SQLAlchemy Session: the NOTIFY after the session's commit ------------
+
+
+def _engine(url: str, dbapi: str, **kwargs: Any) -> Any:
+    import sqlalchemy as sa
+
+    return sa.create_engine(url.replace("postgresql://", f"postgresql+{dbapi}://", 1), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("dbapi", "session"),
+    [("psycopg", True), ("psycopg2", True), ("psycopg", False)],
+    ids=["session-psycopg", "session-psycopg2", "connection"],
+)
+def test_a_sqlalchemy_transaction_that_enqueues_lets_others_notify_while_it_commits(
+    private_url: str, dbapi: str, session: bool
+) -> None:
+    """Enqueued through a ``Session``, the job's NOTIFY waits for the session's commit, so a
+    commit held open by a standby that never confirms does not hold PostgreSQL's NOTIFY
+    lock; through a bare ``Connection`` (no after-commit event in Core) it does."""
+    from sqlalchemy.orm import Session
+
+    app = make_app(private_url)
+    task = app.tasks["txn.add"]
+    listener = _listener(private_url)
+    engine = _engine(private_url, dbapi, pool_size=1)
+    errors: list[BaseException] = []
+
+    def enqueue(queue_name: str) -> None:
+        try:
+            if session:
+                with Session(engine) as s, s.begin():
+                    apply_async_in(s, task, (1, 2), queue=queue_name)
+            else:
+                with engine.begin() as conn:
+                    apply_async_in(conn, task, (1, 2), queue=queue_name)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    try:
+        enqueue("sa-warm")  # schema checked, and the pool's one connection opened
+        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["sa-warm"]
+        with engine.connect() as probe:
+            pid = (
+                probe.connection.dbapi_connection.info.backend_pid
+                if dbapi == "psycopg"
+                else (probe.connection.dbapi_connection.get_backend_pid())
+            )
+        _while_a_commit_waits_for_the_standby(
+            private_url, lambda: enqueue("sa-slow"), pid, others_blocked=not session
+        )
+        assert errors == []
+        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["sa-slow"]
+    finally:
+        listener.close()
+        engine.dispose()
+        app.close()
+
+
+@pytest.mark.parametrize("dbapi", ["psycopg", "psycopg2"])
+def test_a_sqlalchemy_session_wakes_each_queue_once_for_what_it_kept(
+    db_url: str, dbapi: str
+) -> None:
+    """After the session's commit, one statement: one NOTIFY per queue, and one for the
+    earliest due time. A savepoint rolled back (``begin_nested()``) takes its wake-ups with
+    its jobs; one released hands them to the level around it. The connection goes back to
+    the pool with no transaction open, and a rolled-back session wakes nobody."""
+    from sqlalchemy.orm import Session
+
+    app = make_app(db_url)
+    task = app.tasks["txn.add"]
+    listener = _listener(db_url, scheduled=True)
+    engine = _engine(db_url, dbapi, pool_size=1)
+    started = time.time()
+    try:
+        with Session(engine) as s:
+            with s.begin():
+                for n in range(3):
+                    apply_async_in(s, task, (n, n), queue="a")
+                apply_many_in(s, [task.s(1, 1), task.s(2, 2)], queue="b")
+                apply_async_in(s, task, (1, 1), queue="a", countdown=3600)
+                with s.begin_nested():
+                    apply_async_in(s, task, (1, 2), queue="c")
+                    with contextlib.suppress(Rollback), s.begin_nested():
+                        apply_async_in(s, task, (1, 2), queue="gone")
+                        raise Rollback
+                    with s.begin_nested():
+                        apply_async_in(s, task, (1, 2), queue="d", countdown=7200)
+                assert list(listener.notifies(timeout=0.3)) == []
+            with contextlib.suppress(Rollback), s.begin():
+                apply_async_in(s, task, (1, 2), queue="rolled-back")
+                raise Rollback
+        _woken_once_each(
+            listener, ["a", "b", "c"], started, [("a", 4), ("b", 2), ("c", 1), ("d", 1)]
+        )
+        # The pool's connection: nothing left open on it by the NOTIFY after the commit.
+        states = listener.execute(
+            "SELECT state FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name = '' AND pid <> pg_backend_pid()"
+            " AND backend_type = 'client backend'"
+        ).fetchall()
+        assert states == [("idle",)]
+    finally:
+        listener.close()
+        engine.dispose()
+        app.close()
+
+
+@pytest.mark.parametrize("dbapi", ["psycopg", "psycopg2"])
+@pytest.mark.parametrize("outcome", ["commit", "rollback"])
+def test_a_session_joined_to_the_caller_s_transaction_notifies_at_that_commit(
+    db_url: str, dbapi: str, outcome: str
+) -> None:
+    """A ``Session`` bound to a connection whose transaction the caller began (as test
+    fixtures do): the session's commit releases a savepoint only, and the NOTIFY sent then
+    runs inside the caller's transaction, so it wakes the queue at that transaction's commit
+    and never if it rolls back."""
+    from sqlalchemy.orm import Session
+
+    app = make_app(db_url)
+    task = app.tasks["txn.add"]
+    listener = _listener(db_url)
+    engine = _engine(db_url, dbapi)
+    try:
+        with engine.connect() as conn:
+            outer = conn.begin()
+            with Session(bind=conn, join_transaction_mode="create_savepoint") as s, s.begin():
+                apply_async_in(s, task, (1, 2), queue="joined")
+            assert list(listener.notifies(timeout=0.3)) == []
+            if outcome == "commit":
+                outer.commit()
+            else:
+                outer.rollback()
+        woken = [n.payload for n in listener.notifies(timeout=1, stop_after=1)]
+        assert woken == (["joined"] if outcome == "commit" else [])
+        count = listener.execute("SELECT count(*) FROM pgskip.jobs").fetchone()
+        assert count == ((1,) if outcome == "commit" else (0,))
+    finally:
+        listener.close()
+        engine.dispose()
+        app.close()
