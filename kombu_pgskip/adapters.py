@@ -391,8 +391,10 @@ class SQLAlchemyAdapter(Adapter):
         session's innermost transaction level when it is made: one that is rolled back
         (``rollback()``, a savepoint rolled back) takes it away, one released hands it to
         the level around it. Not for a bare ``Connection`` (Core has no after-commit event),
-        nor while a savepoint opened on the connection itself, which the session does not
-        know of, is open."""
+        nor, outside the session's own savepoints, while a savepoint opened on the
+        connection itself (which the session does not know of) is open. Such a savepoint
+        opened inside one of the session's is not seen: rolled back, it leaves a wake-up for
+        jobs that do not exist (an empty fetch), never a job without one."""
         session = self.session
         if session is None:
             return None

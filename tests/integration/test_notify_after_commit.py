@@ -801,3 +801,29 @@ def test_a_session_joined_to_the_caller_s_transaction_notifies_at_that_commit(
         listener.close()
         engine.dispose()
         app.close()
+
+
+def test_a_savepoint_the_session_does_not_know_keeps_its_notify_inside(db_url: str) -> None:
+    """A savepoint opened on the session's connection itself, which the session does not
+    track: what is enqueued inside it notifies inside the transaction, so rolling that
+    savepoint back drops the wake-up with the job."""
+    from sqlalchemy.orm import Session
+
+    app = make_app(db_url)
+    task = app.tasks["txn.add"]
+    listener = _listener(db_url)
+    engine = _engine(db_url, "psycopg")
+    try:
+        with Session(engine) as s, s.begin():
+            savepoint = s.connection().begin_nested()
+            apply_async_in(s, task, (1, 2), queue="core-savepoint")
+            savepoint.rollback()
+            apply_async_in(s, task, (1, 2), queue="kept")
+        notes = list(listener.notifies(timeout=2, stop_after=1))
+        notes += list(listener.notifies(timeout=0.5))
+        assert [n.payload for n in notes] == ["kept"]
+        assert listener.execute("SELECT queue FROM pgskip.jobs").fetchall() == [("kept",)]
+    finally:
+        listener.close()
+        engine.dispose()
+        app.close()
