@@ -850,7 +850,11 @@ class Channel(virtual.Channel):
             pairs = self._take_acks()
             if fetcher is not None:
                 transport = self.connection
-                fetcher.send(pairs, ack_queues, limit, self.consumer_id)
+                try:
+                    fetcher.send(pairs, ack_queues, limit, self.consumer_id)
+                except BaseException:
+                    self._requeue_acks(pairs)  # not sent: for the next statement to write
+                    raise
                 self._fetch_acks = len(pairs)
                 # Sent for a notification (one arrived since the previous fetch was sent):
                 # what it finds adapts the cooldown.
@@ -864,9 +868,13 @@ class Channel(virtual.Channel):
                     return rows
                 transport._watch_fetch(self, fetcher)
                 return []  # the rows arrive with the reply (Transport._on_fetch_readable)
-            done, rows = self.consumer_store.ack_fetch(
-                pairs, ack_queues, limit - len(out), self.consumer_id
-            )
+            try:
+                done, rows = self.consumer_store.ack_fetch(
+                    pairs, ack_queues, limit - len(out), self.consumer_id
+                )
+            except BaseException:
+                self._requeue_acks(pairs)  # as flush_acks does
+                raise
             self._acks_written(len(pairs), done)
             out += rows
         else:
@@ -959,14 +967,28 @@ class Channel(virtual.Channel):
     def flush_acks(self, store: Store | None = None) -> int:
         """Write the acks queued since the last flush, in one statement; returns how many.
 
-        ``store`` lets the heartbeat thread write them on its own connection.
+        ``store`` lets the heartbeat thread write them on its own connection. If the statement
+        fails (that connection was lost), the acks are queued again for the next flush: the
+        consumer may well be alive on its own connections, and an ack dropped here would
+        leave its message ``running`` under a lease that keeps being renewed.
         """
         pairs = self._take_acks()
         if not pairs:
             return 0
-        done = (store or self.connection.consumer_store).ack(pairs, self.consumer_id)
+        try:
+            done = (store or self.connection.consumer_store).ack(pairs, self.consumer_id)
+        except BaseException:
+            self._requeue_acks(pairs)
+            raise
         self._acks_written(len(pairs), done)
         return len(pairs)
+
+    def _requeue_acks(self, pairs: list[tuple[int, int]]) -> None:
+        """Put back acks whose statement failed, ahead of any queued since. Had it committed
+        after all (the reply lost), writing them again changes nothing; the warning about
+        acks that changed nothing is then logged for them."""
+        with self._ack_lock:
+            self._pending_acks[:0] = pairs
 
     def _acks_written(self, sent: int, done: int) -> None:
         if done < sent:

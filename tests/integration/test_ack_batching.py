@@ -421,6 +421,39 @@ def test_the_heartbeat_writes_acks_of_a_consumer_that_stopped_draining(db_url: s
         assert _statuses(db_url) == ["completed"]
 
 
+def test_acks_the_heartbeat_failed_to_write_are_written_by_its_next_beat(db_url: str) -> None:
+    """The heartbeat's connection was lost (a network cut) while the consumer lives on: the
+    beat that finds it dead does not drop the acks it took; the next beat writes them. Found
+    in CI once: a row left ``running`` under a consumer whose lease kept being renewed."""
+    from kombu_pgskip.transport import _Heartbeat
+
+    queue = Queue("beat-lost", Exchange("beat-lost"), "beat-lost")
+    with Connection(_broker(db_url), transport_options={"lease_seconds": 3}) as conn:
+        _publish(conn, queue, 1)
+        received: list[object] = []
+        Consumer(conn.channel(), [queue], callbacks=[lambda body, m: received.append(m)]).consume()
+        conn.drain_events(timeout=5)
+        running = conn.transport._heartbeat
+        assert running is not None
+        running.stop_event.set()  # beats from here on are this test's, one at a time
+        running.join(10)
+        heartbeat = _Heartbeat(conn.transport)
+        try:
+            heartbeat.beat()  # connected
+            with psycopg.connect(db_url, autocommit=True) as admin:
+                pid = heartbeat.store.conn.info.backend_pid
+                admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            received[0].ack()  # type: ignore[attr-defined]
+            with pytest.raises(psycopg.OperationalError):
+                heartbeat.beat()
+            assert _statuses(db_url) == ["running"]
+            heartbeat.store.close()  # as the heartbeat thread does after a failed beat
+            heartbeat.beat()
+            assert _statuses(db_url) == ["completed"]
+        finally:
+            heartbeat.store.close()
+
+
 def test_on_an_event_loop_the_fetch_does_not_block_the_loop(db_url: str) -> None:
     queue = Queue("nonblocking", Exchange("nonblocking"), "nonblocking")
     with Connection(_broker(db_url)) as conn:
