@@ -86,11 +86,21 @@ def private_url() -> Iterator[str]:
         yield url
 
 
+#: probe commits left waiting for the standby by _require_standby, let go when it is lifted
+_probes: list[threading.Thread] = []
+
+
 def _require_standby(url: str, required: bool, *sessions: psycopg.Connection[Any]) -> None:
     """Make commits wait for a standby named "nobody" (or stop that), and wait until the
-    reload reached ``sessions`` (each backend reads the new setting at its next command)."""
+    reload reached ``sessions`` (each backend reads the new setting at its next command).
+
+    A backend's own setting is not enough: whether commits wait is a flag in shared memory
+    that the checkpointer sets once it has read the new configuration. So, when requiring,
+    probe commits (a write from a session of their own) are made until one waits; it stays
+    waiting until the requirement is lifted."""
     with psycopg.connect(url, autocommit=True) as conn:
         if required:
+            conn.execute("CREATE TABLE IF NOT EXISTS standby_probe (at timestamptz)")
             conn.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
         else:
             conn.execute("ALTER SYSTEM RESET synchronous_standby_names")
@@ -101,6 +111,32 @@ def _require_standby(url: str, required: bool, *sessions: psycopg.Connection[Any
             while session.execute("SHOW synchronous_standby_names").fetchone() != (want,):
                 assert time.monotonic() < deadline, "the reload did not take effect"
                 time.sleep(0.05)
+        if not required:
+            for probe in _probes:
+                probe.join(10)
+            _probes.clear()
+            return
+        while True:
+            probe_conn = psycopg.connect(url, autocommit=True)
+            pid = probe_conn.info.backend_pid
+
+            def write(c: psycopg.Connection[Any] = probe_conn) -> None:
+                with c:
+                    c.execute("INSERT INTO standby_probe VALUES (now())")
+
+            probe = threading.Thread(target=write, daemon=True)
+            probe.start()
+            waits = deadline - time.monotonic()
+            while probe.is_alive() and time.monotonic() < deadline:
+                row = conn.execute(
+                    "SELECT wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)
+                ).fetchone()
+                if row == ("SyncRep",):
+                    _probes.append(probe)
+                    return
+                time.sleep(0.02)
+            probe.join(10)
+            assert waits > 0 and time.monotonic() < deadline, "commits never waited for it"
 
 
 def _wait_for_standby_wait(url: str, pid: int) -> None:
