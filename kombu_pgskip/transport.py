@@ -850,11 +850,8 @@ class Channel(virtual.Channel):
             pairs = self._take_acks()
             if fetcher is not None:
                 transport = self.connection
-                try:
+                with self._acks_kept_if_unwritten(pairs):
                     fetcher.send(pairs, ack_queues, limit, self.consumer_id)
-                except BaseException:
-                    self._requeue_acks(pairs)  # not sent: for the next statement to write
-                    raise
                 self._fetch_acks = len(pairs)
                 # Sent for a notification (one arrived since the previous fetch was sent):
                 # what it finds adapts the cooldown.
@@ -868,13 +865,10 @@ class Channel(virtual.Channel):
                     return rows
                 transport._watch_fetch(self, fetcher)
                 return []  # the rows arrive with the reply (Transport._on_fetch_readable)
-            try:
+            with self._acks_kept_if_unwritten(pairs):
                 done, rows = self.consumer_store.ack_fetch(
                     pairs, ack_queues, limit - len(out), self.consumer_id
                 )
-            except BaseException:
-                self._requeue_acks(pairs)  # as flush_acks does
-                raise
             self._acks_written(len(pairs), done)
             out += rows
         else:
@@ -975,20 +969,23 @@ class Channel(virtual.Channel):
         pairs = self._take_acks()
         if not pairs:
             return 0
-        try:
+        with self._acks_kept_if_unwritten(pairs):
             done = (store or self.connection.consumer_store).ack(pairs, self.consumer_id)
-        except BaseException:
-            self._requeue_acks(pairs)
-            raise
         self._acks_written(len(pairs), done)
         return len(pairs)
 
-    def _requeue_acks(self, pairs: list[tuple[int, int]]) -> None:
-        """Put back acks whose statement failed, ahead of any queued since. Had it committed
-        after all (the reply lost), writing them again changes nothing; the warning about
-        acks that changed nothing is then logged for them."""
-        with self._ack_lock:
-            self._pending_acks[:0] = pairs
+    @contextmanager
+    def _acks_kept_if_unwritten(self, pairs: list[tuple[int, int]]) -> Iterator[None]:
+        """Around the statement that writes ``pairs`` (taken by :meth:`_take_acks`): if it
+        fails, they are put back, ahead of any queued since, for the next statement. Had it
+        committed after all (the reply lost), writing them again changes nothing; the warning
+        about acks that changed nothing is then logged for them."""
+        try:
+            yield
+        except BaseException:
+            with self._ack_lock:
+                self._pending_acks[:0] = pairs
+            raise
 
     def _acks_written(self, sent: int, done: int) -> None:
         if done < sent:

@@ -406,14 +406,21 @@ def test_a_small_refill_waits_for_more_credit_on_an_event_loop(db_url: str) -> N
             hub.close()
 
 
+def _one_received(conn: Connection, name: str) -> Any:
+    """One message published to a new queue ``name`` and received by a consumer on ``conn``
+    (not acked)."""
+    queue = Queue(name, Exchange(name), name)
+    _publish(conn, queue, 1)
+    received: list[Any] = []
+    Consumer(conn.channel(), [queue], callbacks=[lambda body, m: received.append(m)]).consume()
+    conn.drain_events(timeout=5)
+    assert len(received) == 1
+    return received[0]
+
+
 def test_the_heartbeat_writes_acks_of_a_consumer_that_stopped_draining(db_url: str) -> None:
-    queue = Queue("idle", Exchange("idle"), "idle")
     with Connection(_broker(db_url), transport_options={"lease_seconds": 3}) as conn:
-        _publish(conn, queue, 1)
-        received: list[object] = []
-        Consumer(conn.channel(), [queue], callbacks=[lambda body, m: received.append(m)]).consume()
-        conn.drain_events(timeout=5)
-        received[0].ack()  # type: ignore[attr-defined]
+        _one_received(conn, "idle").ack()
         assert _statuses(db_url) == ["running"]
         deadline = time.monotonic() + 5  # the heartbeat beats every lease_seconds / 3
         while _statuses(db_url) != ["completed"] and time.monotonic() < deadline:
@@ -423,16 +430,13 @@ def test_the_heartbeat_writes_acks_of_a_consumer_that_stopped_draining(db_url: s
 
 def test_acks_the_heartbeat_failed_to_write_are_written_by_its_next_beat(db_url: str) -> None:
     """The heartbeat's connection was lost (a network cut) while the consumer lives on: the
-    beat that finds it dead does not drop the acks it took; the next beat writes them. Found
-    in CI once: a row left ``running`` under a consumer whose lease kept being renewed."""
+    beat that finds it dead does not drop the acks it took; the next beat writes them. This
+    fits one CI failure: a row left ``running`` under a consumer whose lease kept being
+    renewed."""
     from kombu_pgskip.transport import _Heartbeat
 
-    queue = Queue("beat-lost", Exchange("beat-lost"), "beat-lost")
     with Connection(_broker(db_url), transport_options={"lease_seconds": 3}) as conn:
-        _publish(conn, queue, 1)
-        received: list[object] = []
-        Consumer(conn.channel(), [queue], callbacks=[lambda body, m: received.append(m)]).consume()
-        conn.drain_events(timeout=5)
+        message = _one_received(conn, "beat-lost")
         running = conn.transport._heartbeat
         assert running is not None
         running.stop_event.set()  # beats from here on are this test's, one at a time
@@ -443,7 +447,7 @@ def test_acks_the_heartbeat_failed_to_write_are_written_by_its_next_beat(db_url:
             with psycopg.connect(db_url, autocommit=True) as admin:
                 pid = heartbeat.store.conn.info.backend_pid
                 admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-            received[0].ack()  # type: ignore[attr-defined]
+            message.ack()
             with pytest.raises(psycopg.OperationalError):
                 heartbeat.beat()
             assert _statuses(db_url) == ["running"]
