@@ -162,21 +162,56 @@ def run_then(
     return results[0], results[1]
 
 
-def _run_pipeline(
+def run_together(
     conn: psycopg.Connection[Any], steps: Sequence[tuple[Statement, Mapping[str, Any]]]
 ) -> list[pq.abc.PGresult]:
+    """Run ``steps`` in one transaction of their own, in one round trip; their results.
+
+    One libpq pipeline with a single Sync after the last statement: the server runs them as
+    one implicit transaction and sends every reply at once. Each statement still takes its own
+    snapshot (READ COMMITTED), after the ones before it have run. The first failed statement
+    raises (nothing was committed; those after it did not run). ``conn`` must be in autocommit
+    mode and outside a transaction; needs libpq >= 14.
+    """
+    with conn.lock:
+        results = _run_pipeline(conn, steps, one_transaction=True)
+        if any(r.status not in _OK and _sqlstate(r) == b"26000" for r in results):
+            # Deallocated behind our back (DISCARD ALL): the transaction failed, nothing was
+            # written, so running it again cannot write twice.
+            for statement, _ in steps:
+                statement._prepared_on = None
+            results = _run_pipeline(conn, steps, one_transaction=True)
+    for res in results:
+        if res.status not in _OK:
+            raise _error(conn, res)
+    return results
+
+
+def _run_pipeline(
+    conn: psycopg.Connection[Any],
+    steps: Sequence[tuple[Statement, Mapping[str, Any]]],
+    *,
+    one_transaction: bool = False,
+) -> list[pq.abc.PGresult]:
+    """``steps`` down one pipeline: a Sync after each (a transaction each), or only after the
+    last (``one_transaction``)."""
     pgconn = conn.pgconn
     for statement, _ in steps:
         statement._prepare(conn)
     values = [statement.values(params) for statement, params in steps]
+    last = len(steps) - 1
     try:
         pgconn.enter_pipeline_mode()
-        for (statement, _), vals in zip(steps, values, strict=True):
+        for k, ((statement, _), vals) in enumerate(zip(steps, values, strict=True)):
             statement._send(pgconn, vals)
-            pgconn.pipeline_sync()
+            if k == last or not one_transaction:
+                pgconn.pipeline_sync()
         while pgconn.flush():  # 1 while data remains to be sent: rare for small statements
             select.select([], [pgconn.socket], [], 1.0)
-        results = [_pipeline_result(pgconn) for _ in steps]
+        if one_transaction:
+            results = _pipeline_results(pgconn, len(steps))
+        else:
+            results = [_pipeline_results(pgconn, 1)[0] for _ in steps]
         pgconn.exit_pipeline_mode()
     except BaseException:
         # Lost, or interrupted with results unread: the connection's state is unknown, so it
@@ -186,10 +221,11 @@ def _run_pipeline(
     return results
 
 
-def _pipeline_result(pgconn: pq.abc.PGconn) -> pq.abc.PGresult:
-    """The result of the next statement in the pipeline, up to and including its Sync."""
+def _pipeline_results(pgconn: pq.abc.PGconn, count: int) -> list[pq.abc.PGresult]:
+    """The results of the next ``count`` statements in the pipeline (the first result of
+    each), up to and including the Sync that follows them."""
+    results: list[pq.abc.PGresult] = []
     result: pq.abc.PGresult | None = None
-    ended = False
     while True:
         # Wait in select(), which lets other threads run meanwhile; get_result() would not.
         while pgconn.is_busy():
@@ -197,15 +233,17 @@ def _pipeline_result(pgconn: pq.abc.PGconn) -> pq.abc.PGresult:
             pgconn.consume_input()
         res = pgconn.get_result()
         if res is None:
-            if ended or pgconn.status != pq.ConnStatus.OK:  # a healthy pipeline has its Sync next
+            # The end of a statement's results. Two in a row (no result between) only come
+            # from a connection that went away.
+            if result is None or pgconn.status != pq.ConnStatus.OK:
                 raise connection_error(pgconn, pgconn.get_error_message() or "connection lost")
-            ended = True  # the end of a statement's results; its Sync follows
+            results.append(result)
+            result = None
             continue
-        ended = False
         if res.status == pq.ExecStatus.PIPELINE_SYNC:
-            if result is None:
-                raise connection_error(pgconn, "no result before the pipeline's sync")
-            return result
+            if result is not None or len(results) != count:
+                raise connection_error(pgconn, "the pipeline's sync came out of turn")
+            return results
         if result is None:
             result = res
 

@@ -28,7 +28,7 @@ import psycopg
 from psycopg import pq
 
 from . import exceptions
-from .libpq import Statement, run_then
+from .libpq import Statement, run_then, run_together
 from .migrate import check_schema
 from .sql import queries_for, queries_in
 from .urls import Connection, connect, mask_url
@@ -146,6 +146,9 @@ class Store:
         # (exchange, routing key, queues bound in this process) -> (queue, routing epoch): where
         # publish_routed last sent a message that had one target (see publish_routed).
         self._routes: dict[tuple[str, str, tuple[str, ...]], tuple[str, int]] = {}
+        # Queues whose consumers all polled at this Store's last durable publish to them: the
+        # next one is quiet (see _insert_announced).
+        self._quiet: set[str] = set()
 
     def __repr__(self) -> str:
         return f"<Store {self._masked_url} schema={self.schema}>"
@@ -281,6 +284,10 @@ class Store:
         transaction that only notifies writes no WAL and holds that lock briefly. Nothing is
         lost if the announcement never comes (its connection dies in between): consumers find
         the row at their next poll. Each publish then takes two transaction ids.
+
+        While every consumer of the queue polls it (busy workers: ``busy_polling``), the
+        announcement sends nothing, and the next publish to the queue is quiet: one
+        transaction that notifies only if some consumer has stopped polling meanwhile.
         """
         params = message.params()
         params.update(self._channels)
@@ -292,25 +299,50 @@ class Store:
     ) -> list[tuple[str | None, ...]]:
         """``insert`` then ``announce`` as :meth:`publish` describes; or the single statement
         ``with_notify`` (the insert with its NOTIFY) where that split does not apply: with
-        asynchronous commits, or inside a transaction (:meth:`publish_many`'s)."""
+        asynchronous commits, or inside a transaction (:meth:`publish_many`'s).
+
+        A pending message to a queue whose consumers all polled at the last publish is quiet:
+        ``quiet_lock`` and ``<insert>_quiet`` in one transaction, whose NOTIFY is sent only if
+        a consumer of the queue no longer polls. The flag is read before the commit there, so
+        the shared lock makes a consumer that stops polling wait for this commit
+        (``stop_polling``). A publish that notified goes back to the two transactions.
+        """
         if not self._notify_after_commit:
             return self.execute_direct(with_notify, params)
+        queue = params["queue"]
+        quiet = params["status"] == "pending" and queue in self._quiet
         with self._busy_lock:
             conn = self.conn
             if conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
                 return self.execute_direct(with_notify, params)
-            first = (self._statement(insert), params)
-            then = (self._statement("announce"), params)
             with exceptions.translating(url_for_messages=self._masked_url):
-                inserted, announced = run_then(conn, first, then)
-        if announced.status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
+                if quiet:
+                    steps = (
+                        (self._statement("quiet_lock"), params),
+                        (self._statement(f"{insert}_quiet"), params),
+                    )
+                    inserted = run_together(conn, steps)[1]
+                else:
+                    first = (self._statement(insert), params)
+                    then = (self._statement("announce"), params)
+                    inserted, announced = run_then(conn, first, then)
+        rows = _text_rows(inserted)
+        if quiet:
+            if rows and rows[0][1] == "t":
+                self._quiet.discard(queue)  # it notified: some consumer waits for notifications
+        elif announced.status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
             # The message is committed: raising would make the caller publish it again.
             logger.warning(
                 "a publish's NOTIFY failed (consumers find the message at their next poll): %s",
                 (announced.get_error_message() or "").strip(),
                 extra={"action": "announce_failed"},
             )
-        return _text_rows(inserted)
+        elif announced.ntuples == 0 and params["status"] == "pending":
+            # Nothing sent: every consumer of the queue polls it.
+            if len(self._quiet) >= ROUTE_CACHE_SIZE:
+                self._quiet.clear()
+            self._quiet.add(queue)
+        return rows
 
     def publish_many(self, messages: Sequence[NewMessage]) -> list[int]:
         """Insert ``messages`` with as few statements as their size allows, all or none.
@@ -534,12 +566,33 @@ class Store:
             },
         )
 
-    def renew_consumers(self, consumers: Sequence[uuid.UUID], lease: float) -> set[uuid.UUID]:
-        """Extend leases; returns the consumers that still exist (the others were swept)."""
+    def renew_consumers(
+        self, consumers: Sequence[uuid.UUID], lease: float, *, polling: bool = False
+    ) -> set[uuid.UUID]:
+        """Extend leases; returns the consumers that still exist (the others were swept).
+
+        Unless ``polling`` (the consumers' transport polls their queues), their polling flags
+        are cleared too: never set, which could undo a :meth:`stop_polling` that committed
+        meanwhile."""
         if not consumers:
             return set()
-        rows = self.execute("renew_consumers", {"ids": list(consumers), "lease": lease})
+        rows = self.execute(
+            "renew_consumers", {"ids": list(consumers), "lease": lease, "polling": polling}
+        )
         return {r[0] for r in rows}
+
+    def start_polling(self, consumers: Sequence[uuid.UUID]) -> None:
+        """These consumers poll their queues every ``fetch_cooldown`` from now on: while every
+        consumer of a queue does, publishes to it skip their NOTIFY."""
+        if consumers:
+            self.execute("start_polling", {"ids": list(consumers)})
+
+    def stop_polling(self, consumers: Sequence[uuid.UUID]) -> None:
+        """These consumers stop polling. When this returns, every publish that skipped its
+        NOTIFY because of them has committed, and every later one notifies: their next fetch
+        (which must follow) finds whatever was not announced."""
+        if consumers:
+            self.execute("stop_polling", {"ids": list(consumers), "channel": self.channel})
 
     def unregister_consumer(self, consumer: uuid.UUID) -> int:
         """Forget a consumer; what it still held goes back to pending. Returns rows requeued."""

@@ -37,13 +37,38 @@ i AS ({@insert_one}
 SELECT i.id
   FROM i;
 
--- announce: the NOTIFY of one message written by insert_message or insert_remembered, the one {@wake} sends for publish, from the message's own values (the publisher knows them). A transaction that only notifies writes no WAL of its own, so its commit does not wait for a flush
-SELECT {@wake}
-  FROM (SELECT %(queue)s::text AS queue, %(status)s::text AS status) AS i;
+-- wanted: (fragment, included as {@wanted} in a condition over a CTE i with the queue) whether a pending message of queue i.queue is to be notified: unless every consumer row of the queue says it polls (migration 0008). Read after the message's commit (announce, announce_many: a consumer that stops polling clears its flag, then fetches), or under quiet_lock
+NOT coalesce((SELECT bool_and(c.polling) FROM {schema}.consumers AS c WHERE i.queue = ANY (c.queues)), false)
 
--- announce_many: the NOTIFYs owed, after a caller's commit, for the messages its transaction wrote without theirs (insert_message, insert_remembered, insert_many), as {@wake} and publish_many send them: one per queue given (queues with a pending message), and the earliest due time of the scheduled ones (run_at, NULL if none) on the scheduled channel; one transaction that writes no WAL
-SELECT pg_notify(%(channel)s, q.queue)
-  FROM unnest(%(queues)s::text[]) AS q(queue)
+-- quiet_lock: the first statement of a quiet publish (insert_message_quiet, insert_remembered_quiet), in its transaction: the queue's advisory lock (this schema's channel, the queue) in shared mode, which stop_polling takes exclusively: a consumer that stops polling waits for the quiet publishes that may have read its flag before it was cleared. The flag is read by the next statement, whose snapshot is taken after the lock
+SELECT pg_advisory_xact_lock_shared(hashtext(%(channel)s), hashtext(%(queue)s));
+
+-- insert_message_quiet: as publish, after quiet_lock in the same transaction, for a durable publish of a pending message to a queue whose consumers all polled at the last publish (Store.publish): the NOTIFY only if some consumer of the queue does not poll now ({@wanted}), so mostly one transaction and no NOTIFY; returns the id and whether it notified
+WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
+i AS ({@insert_one}
+    RETURNING id, queue, status),
+w AS MATERIALIZED (SELECT {@wanted} AS wanted FROM (SELECT %(queue)s::text AS queue) AS i)
+SELECT i.id, w.wanted, CASE WHEN w.wanted THEN {@wake} END
+  FROM i, w;
+
+-- insert_remembered_quiet: as insert_message_quiet into a remembered route's queue, guarded as publish_remembered (no row when routing changed since)
+WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
+i AS ({@insert_one}
+     WHERE %(epoch)s::bigint = (SELECT n FROM {schema}.routing_epoch)
+    RETURNING id, queue, status),
+w AS MATERIALIZED (SELECT {@wanted} AS wanted FROM (SELECT %(queue)s::text AS queue) AS i)
+SELECT i.id, w.wanted, CASE WHEN w.wanted THEN {@wake} END
+  FROM i, w;
+
+-- announce: the NOTIFY of one message written by insert_message or insert_remembered, the one {@wake} sends for publish, from the message's own values (the publisher knows them); none for a pending message whose queue's consumers all poll ({@wanted}). A transaction that only notifies writes no WAL of its own, so its commit does not wait for a flush
+SELECT {@wake}
+  FROM (SELECT %(queue)s::text AS queue, %(status)s::text AS status) AS i
+ WHERE i.status <> 'pending' OR {@wanted};
+
+-- announce_many: the NOTIFYs owed, after a caller's commit, for the messages its transaction wrote without theirs (insert_message, insert_remembered, insert_many), as {@wake} and publish_many send them: one per queue given (queues with a pending message) unless its consumers all poll ({@wanted}), and the earliest due time of the scheduled ones (run_at, NULL if none) on the scheduled channel; one transaction that writes no WAL
+SELECT pg_notify(%(channel)s, i.queue)
+  FROM unnest(%(queues)s::text[]) AS i(queue)
+ WHERE {@wanted}
 UNION ALL
 SELECT pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text)
  WHERE %(run_at)s::timestamptz IS NOT NULL;
@@ -181,16 +206,31 @@ UPDATE {schema}.jobs AS jobs
    AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
 RETURNING jobs.id;
 
--- register_consumer: create or refresh a consumer and its lease
+-- register_consumer: create or refresh a consumer and its lease; it does not poll (set_polling)
 INSERT INTO {schema}.consumers (id, hostname, pid, queues, lease_until)
 VALUES (%(id)s, %(hostname)s, %(pid)s, %(queues)s, now() + make_interval(secs => %(lease)s))
 ON CONFLICT (id) DO UPDATE
-   SET lease_until = EXCLUDED.lease_until, heartbeat_at = now(), queues = EXCLUDED.queues;
+   SET lease_until = EXCLUDED.lease_until, heartbeat_at = now(), queues = EXCLUDED.queues,
+       polling = false;
 
--- renew_consumers: extend the leases of live consumers and mark their expiring queues used; returns the ids still known
+-- start_polling: consumers poll their queues every fetch_cooldown from now on: publishes to a queue whose consumers all poll skip their NOTIFY ({@wanted})
+UPDATE {schema}.consumers SET polling = true WHERE id = ANY(%(ids)s::uuid[]);
+
+-- stop_polling: consumers stop polling: their flags are cleared and, in the same transaction, each of their queues' advisory lock (quiet_lock) taken exclusively, in a fixed order: this waits for the quiet publishes that may have read a flag before it was cleared, so their messages are committed once this returns and the consumers' next fetch sees them; a later publish reads the cleared flag. Returns one row per queue
+WITH u AS (
+    UPDATE {schema}.consumers SET polling = false
+     WHERE id = ANY(%(ids)s::uuid[])
+    RETURNING queues
+), k AS (
+    SELECT DISTINCT hashtext(q.queue) AS key FROM u, unnest(u.queues) AS q(queue)
+)
+SELECT pg_advisory_xact_lock(hashtext(%(channel)s), k.key) FROM (SELECT key FROM k ORDER BY key) AS k;
+
+-- renew_consumers: extend the leases of live consumers and mark their expiring queues used; with polling false, clear their polling flags (the heartbeat never sets them: that would race a consumer that stops polling); returns the ids still known
 WITH c AS (
     UPDATE {schema}.consumers
-       SET lease_until = now() + make_interval(secs => %(lease)s), heartbeat_at = now()
+       SET lease_until = now() + make_interval(secs => %(lease)s), heartbeat_at = now(),
+           polling = polling AND %(polling)s
      WHERE id = ANY(%(ids)s::uuid[])
     RETURNING id, queues
 ), used AS (

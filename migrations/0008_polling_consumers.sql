@@ -1,0 +1,19 @@
+-- 0008_polling_consumers: a consumer that polls its queues tells publishers not to notify it.
+--
+-- Every durable publish sends a NOTIFY after its commit (its announcement). That costs the
+-- publisher's backend a transaction id, PostgreSQL's NOTIFY lock and a signal to every
+-- listening backend, each of which wakes, reads the notification queue and sends it on to
+-- its worker, which wakes in turn: CPU in four processes per message. A worker whose queues
+-- stream in faster than its fetch_cooldown does not need any of it: it fetches again after
+-- every cooldown anyway.
+--
+-- Such a worker now sets polling on its consumers' rows and fetches every fetch_cooldown,
+-- notification or not; an announcement is skipped for a queue whose consumers all poll (a
+-- queue with no consumer row, or with one that does not poll, is notified as before; so is
+-- every consumer of a version without this column). The announcement is read after the
+-- publish has committed, and a worker that stops polling clears the flag, commits, and only
+-- then fetches once more before it waits: whichever of the two comes second sees the other's
+-- write, so no message is left waiting for the poll (docs/performance.md, thirteenth session).
+--
+-- Adding a column with a constant default rewrites nothing (PostgreSQL 11 and later).
+ALTER TABLE consumers ADD COLUMN IF NOT EXISTS polling boolean NOT NULL DEFAULT false;
