@@ -260,15 +260,21 @@ def fetch_plans(url: str, *, rounds: int = 5) -> dict[str, Any]:
     return out
 
 
-# (fetch_cooldown, fetch_cooldown_max): fixed at 0, 2 ms and 5 ms, and the default.
-E2E_COOLDOWNS = ((0.0, 0.0), (0.002, 0.002), (0.005, 0.005), (0.002, 0.02))
+# (fetch_cooldown, fetch_cooldown_max, busy_polling): fixed at 0, 2 ms and 5 ms, and the default.
+Cooldown = tuple[float, float, bool]
+E2E_COOLDOWNS: tuple[Cooldown, ...] = (
+    (0.0, 0.0, True),
+    (0.002, 0.002, True),
+    (0.005, 0.005, True),
+    (0.002, 0.02, True),
+)
 
 
 def e2e_cpu(
     broker: Broker,
     admin: psycopg.Connection[Any],
     *,
-    cooldowns: tuple[tuple[float, float], ...] = E2E_COOLDOWNS,
+    cooldowns: tuple[Cooldown, ...] = E2E_COOLDOWNS,
     rounds: int = 3,
     n: int = 3000,
     workers: int = 1,
@@ -282,7 +288,7 @@ def e2e_cpu(
         except OSError:
             return 0.0
 
-    samples: dict[tuple[float, float], list[dict[str, float]]] = {c: [] for c in cooldowns}
+    samples: dict[Cooldown, list[dict[str, float]]] = {c: [] for c in cooldowns}
     for _ in range(rounds):
         for cooldown in cooldowns:
             b = dataclasses.replace(
@@ -290,6 +296,7 @@ def e2e_cpu(
                 transport_options={
                     "fetch_cooldown": cooldown[0],
                     "fetch_cooldown_max": cooldown[1],
+                    "busy_polling": cooldown[2],
                 },
             )
             with idle_worker(b, "e2ecpu", workers) as (app, stamps, started):
@@ -396,7 +403,7 @@ def blocking_consumers(
     broker: Broker,
     admin: psycopg.Connection[Any],
     *,
-    cooldowns: tuple[tuple[float, float], ...] = E2E_COOLDOWNS,
+    cooldowns: tuple[Cooldown, ...] = E2E_COOLDOWNS,
     consumers: tuple[int, ...] = (1, 3, 6),
     rate: float = 500.0,
     rounds: int = 2,
@@ -408,7 +415,7 @@ def blocking_consumers(
     from kombu import Connection, Exchange, Producer, Queue
 
     url = broker.url or ""
-    samples: dict[tuple[int, tuple[float, float]], list[dict[str, float]]] = {
+    samples: dict[tuple[int, Cooldown], list[dict[str, float]]] = {
         (c, cd): [] for c in consumers for cd in cooldowns
     }
     for _ in range(rounds):
@@ -420,6 +427,7 @@ def blocking_consumers(
                     "polling_interval": 5,
                     "fetch_cooldown": cooldown[0],
                     "fetch_cooldown_max": cooldown[1],
+                    "busy_polling": cooldown[2],
                 }
                 stop, results = mp.Event(), mp.Queue()  # type: ignore[var-annotated]
                 readies = [mp.Event() for _ in range(count)]
@@ -504,19 +512,22 @@ def sample_message_json() -> str:
     )
 
 
-def _cooldown_name(cooldown: tuple[float, float]) -> str:
-    base, ceiling = cooldown
-    if ceiling <= base:
-        return f"fetch_cooldown={base}"
-    return f"fetch_cooldown={base}, fetch_cooldown_max={ceiling}"
+def _cooldown_name(cooldown: Cooldown) -> str:
+    base, ceiling, busy = cooldown
+    name = f"fetch_cooldown={base}"
+    if ceiling > base:
+        name += f", fetch_cooldown_max={ceiling}"
+    return name if busy else f"{name}, busy_polling=False"
 
 
-def _cooldowns(text: str) -> tuple[tuple[float, float], ...]:
-    """``0.002:0.02,0.005`` as ((0.002, 0.02), (0.005, 0.005))."""
+def _cooldowns(text: str) -> tuple[Cooldown, ...]:
+    """``0.002:0.02,0.005,0.002:0.02/off`` as ((0.002, 0.02, True), (0.005, 0.005, True),
+    (0.002, 0.02, False)): ``/off`` turns ``busy_polling`` off."""
     out = []
     for part in text.split(","):
-        base, _, ceiling = part.partition(":")
-        out.append((float(base), float(ceiling or base)))
+        spec, _, busy = part.partition("/")
+        base, _, ceiling = spec.partition(":")
+        out.append((float(base), float(ceiling or base), busy != "off"))
     return tuple(out)
 
 
@@ -545,8 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         "--e2e-cooldowns",
         type=_cooldowns,
         default=E2E_COOLDOWNS,
-        help="fetch_cooldown[:fetch_cooldown_max],... for --e2e-cpu"
-        " (default 0,0.002,0.005,0.002:0.02)",
+        help="fetch_cooldown[:fetch_cooldown_max][/off],... for --e2e-cpu (/off: with"
+        " busy_polling off; default 0,0.002,0.005,0.002:0.02)",
     )
     parser.add_argument(
         "--blocking", action="store_true", help="only blocking kombu consumers (part 6)"

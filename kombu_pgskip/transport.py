@@ -111,14 +111,14 @@ option                        default    meaning
                                          took the message) and shrinks back to
                                          ``fetch_cooldown`` while they take rows; at or below
                                          ``fetch_cooldown``: a fixed cooldown
-``busy_polling``              True       in Celery's event loop, while notified fetches keep
-                                         taking messages at the pace of the cooldown, fetch
-                                         every cooldown without waiting for notifications and
-                                         mark this worker's consumers as polling: publishes to
-                                         a queue whose consumers all poll skip their NOTIFY
-                                         (CPU in four processes per message). Stops at the
-                                         second poll in a row that finds nothing. Needs
-                                         ``fetch_cooldown`` > 0 and ``listen``
+``busy_polling``              True       in Celery's event loop, while fetches keep taking
+                                         messages at the pace of the cooldown (or fill their
+                                         limit), fetch every cooldown without waiting for
+                                         notifications and mark this worker's consumers
+                                         polling: publishes to a queue whose consumers all
+                                         poll send no NOTIFY, in one transaction instead of
+                                         two. Stops at the second poll in a row that finds
+                                         nothing. Needs ``fetch_cooldown`` > 0 and ``listen``
 ============================  =========  ==========================================================
 """
 
@@ -1682,6 +1682,8 @@ class Transport(virtual.Transport):
         self._queue_drain()
 
     def unregister_from_event_loop(self, connection: Any, loop: Any) -> None:
+        if self._polling and self._pid == os.getpid():
+            self._set_polling(False, fetch=False)  # its consumers may go on, notified
         self._leave_event_loop()
 
     def _leave_event_loop(self) -> None:
@@ -1699,10 +1701,8 @@ class Transport(virtual.Transport):
         self._refill_queued = False
         self._ack_flush_queued = False
         self._cooldown_queued = False
-        if self._polling and self._pid == os.getpid():
-            # Nobody polls from here on. If clearing the flags fails (the server went away),
-            # the heartbeat's next renewal clears them.
-            self._set_polling(False, fetch=False)
+        # Nobody polls from here on. Flags left set (the loop is left because the server
+        # went away) are cleared by the heartbeat's next renewal, or go with the consumers.
         self._polling = False
         if loop is None or self._pid != os.getpid():
             return
@@ -1869,7 +1869,11 @@ class Transport(virtual.Transport):
         the publishes that skipped their NOTIFY for them, then fetches once more (unless
         ``fetch`` is false). If the statement fails, the loop polls on: it cannot tell
         whether the mark is set, and polling is always safe."""
-        ids = [c.consumer_id for c in self._consumer_channels() if c._fetcher is not None]
+        ids = [
+            c.consumer_id
+            for c in self._consumer_channels()
+            if not polling or c._fetcher is not None  # clearing is always safe
+        ]
         try:
             if polling:
                 self.consumer_store.start_polling(ids)
