@@ -25,7 +25,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg import pq
+from psycopg import errors, pq, sql
 
 from . import exceptions
 from .libpq import Statement, run_then, run_together
@@ -587,12 +587,33 @@ class Store:
         if consumers:
             self.execute("start_polling", {"ids": list(consumers)})
 
-    def stop_polling(self, consumers: Sequence[uuid.UUID]) -> None:
-        """These consumers stop polling. When this returns, every publish that skipped its
-        NOTIFY because of them has committed, and every later one notifies: their next fetch
-        (which must follow) finds whatever was not announced."""
-        if consumers:
-            self.execute("stop_polling", {"ids": list(consumers), "channel": self.channel})
+    def stop_polling(self, consumers: Sequence[uuid.UUID], *, lock_timeout: float = 1.0) -> bool:
+        """These consumers stop polling. When this returns True, every publish that skipped
+        its NOTIFY because of them has committed, and every later one notifies: their next
+        fetch (which must follow) finds whatever was not announced.
+
+        A publish that holds a queue's lock longer than ``lock_timeout`` seconds (its client
+        lost halfway through sending it, say) would stall the caller, a worker's event loop:
+        the flags are then cleared without waiting and this returns False. That publish's
+        message, if it ever commits, waits for the consumers' next poll."""
+        if not consumers:
+            return True
+        params = {"ids": list(consumers), "channel": self.channel}
+        timeout = sql.SQL("SET LOCAL lock_timeout = {}").format(
+            sql.Literal(f"{max(1, round(lock_timeout * 1000))}ms")
+        )
+        try:
+            with (
+                exceptions.translating(url_for_messages=self._masked_url),
+                self._busy_lock,
+                self.conn.transaction(),
+            ):
+                self.conn.execute(timeout)
+                self.conn.execute(self.q["stop_polling"], params)
+        except errors.LockNotAvailable:
+            self.execute("clear_polling", params)
+            return False
+        return True
 
     def unregister_consumer(self, consumer: uuid.UUID) -> int:
         """Forget a consumer; what it still held goes back to pending. Returns rows requeued."""

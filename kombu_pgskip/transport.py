@@ -1877,8 +1877,13 @@ class Transport(virtual.Transport):
         try:
             if polling:
                 self.consumer_store.start_polling(ids)
-            else:
-                self.consumer_store.stop_polling(ids)
+            elif not self.consumer_store.stop_polling(ids):
+                logger.warning(
+                    "stopped busy polling without waiting for a publish that has held its "
+                    "queue's lock for over a second; if it commits, its message waits for "
+                    "the next poll (polling_interval)",
+                    extra={"action": "busy_polling_stop_timeout"},
+                )
         except Exception as exc:
             logger.debug(
                 "could not mark consumers polling=%s: %s",

@@ -216,6 +216,9 @@ ON CONFLICT (id) DO UPDATE
 -- start_polling: consumers poll their queues every fetch_cooldown from now on: publishes to a queue whose consumers all poll skip their NOTIFY ({@wanted})
 UPDATE {schema}.consumers SET polling = true WHERE id = ANY(%(ids)s::uuid[]);
 
+-- clear_polling: consumers stop polling without waiting for anyone (stop_polling's fallback when a publish holds a queue's lock too long)
+UPDATE {schema}.consumers SET polling = false WHERE id = ANY(%(ids)s::uuid[]);
+
 -- stop_polling: consumers stop polling: their flags are cleared and, in the same transaction, each of their queues' advisory lock (quiet_lock) taken exclusively, in a fixed order: this waits for the quiet publishes that may have read a flag before it was cleared, so their messages are committed once this returns and the consumers' next fetch sees them; a later publish reads the cleared flag. Returns one row per queue
 WITH u AS (
     UPDATE {schema}.consumers SET polling = false

@@ -23,6 +23,7 @@ from kombu.asynchronous import Hub
 import kombu_pgskip.store as store_module
 from kombu_pgskip.envelope import to_row
 from kombu_pgskip.store import Store, notify_channel, scheduled_channel
+from tests.publish_support import jobs
 
 CHANNEL = notify_channel("pgskip")
 
@@ -90,9 +91,7 @@ def _polling(db_url: str, cid: uuid.UUID) -> bool:
 
 
 def _job_count(db_url: str, queue: str) -> int:
-    with psycopg.connect(db_url) as conn:
-        row = conn.execute("SELECT count(*) FROM pgskip.jobs WHERE queue = %s", (queue,)).fetchone()
-    return int(row[0]) if row else 0
+    return sum(1 for job in jobs(db_url) if job.queue == queue)
 
 
 def test_a_queue_whose_consumers_all_poll_is_not_announced(
@@ -213,6 +212,30 @@ def test_a_consumer_that_stops_polling_waits_for_the_quiet_publishes_in_flight(
     finally:
         holder.close()
         stopper.close()
+
+
+def test_a_publish_holding_the_lock_too_long_does_not_stall_a_consumer_that_stops(
+    store: Store, listener: psycopg.Connection[Any], db_url: str
+) -> None:
+    """A quiet publish stuck inside its transaction (its client gone halfway through the
+    pipeline, say) must not stall a worker's event loop: after ``lock_timeout`` the flags are
+    cleared without waiting, and publishes from then on notify."""
+    cid = _consumer(store, ["bp"])
+    store.start_polling([cid])
+    store.publish(_message("bp"))  # learns that the queue is polled
+    holder = _hold_quiet_lock(db_url, "bp")
+    stopper = Store(db_url)
+    try:
+        started = time.monotonic()
+        assert stopper.stop_polling([cid], lock_timeout=0.3) is False
+        assert 0.25 < time.monotonic() - started < 5
+        assert not _polling(db_url, cid), "cleared all the same"
+        store.publish(_message("bp"))
+        assert _notes(listener, timeout=2) == [(CHANNEL, "bp")], "later publishes notify"
+    finally:
+        holder.close()
+        stopper.close()
+    assert store.stop_polling([cid]) is True, "with nobody holding the lock it waits for none"
 
 
 def test_a_quiet_publish_behind_a_stopping_consumer_reads_the_cleared_flag(
