@@ -147,8 +147,10 @@ class Store:
         # publish_routed last sent a message that had one target (see publish_routed).
         self._routes: dict[tuple[str, str, tuple[str, ...]], tuple[str, int]] = {}
         # Queues whose consumers all polled at this Store's last durable publish to them: the
-        # next one is quiet (see _insert_announced).
+        # next one is quiet (see _insert_announced); and durable publishes per queue, whose
+        # announcement reads the flags once every QUIET_CHECK_EVERY.
         self._quiet: set[str] = set()
+        self._announced: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"<Store {self._masked_url} schema={self.schema}>"
@@ -301,7 +303,11 @@ class Store:
         ``with_notify`` (the insert with its NOTIFY) where that split does not apply: with
         asynchronous commits, or inside a transaction (:meth:`publish_many`'s).
 
-        A pending message to a queue whose consumers all polled at the last publish is quiet:
+        The announcement reads the consumers' flags on the first publish to a queue and every
+        ``QUIET_CHECK_EVERY`` after (reading them costs the server about 10 us); the others
+        notify whatever the flags say, which is always safe.
+
+        A pending message to a queue whose consumers all polled at the last check is quiet:
         ``quiet_lock`` and ``<insert>_quiet`` in one transaction, whose NOTIFY is sent only if
         a consumer of the queue no longer polls. The flag is read before the commit there, so
         the shared lock makes a consumer that stops polling wait for this commit
@@ -311,6 +317,7 @@ class Store:
             return self.execute_direct(with_notify, params)
         queue = params["queue"]
         quiet = params["status"] == "pending" and queue in self._quiet
+        checked = False
         with self._busy_lock:
             conn = self.conn
             if conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
@@ -323,8 +330,16 @@ class Store:
                     )
                     inserted = run_together(conn, steps)[1]
                 else:
+                    count = self._announced.get(queue, 0)
+                    if len(self._announced) >= ROUTE_CACHE_SIZE:
+                        self._announced.clear()
+                    self._announced[queue] = count + 1
+                    checked = count % QUIET_CHECK_EVERY == 0
                     first = (self._statement(insert), params)
-                    then = (self._statement("announce"), params)
+                    then = (
+                        self._statement("announce" if checked else "announce_unchecked"),
+                        params,
+                    )
                     inserted, announced = run_then(conn, first, then)
         rows = _text_rows(inserted)
         if quiet:
@@ -337,7 +352,7 @@ class Store:
                 (announced.get_error_message() or "").strip(),
                 extra={"action": "announce_failed"},
             )
-        elif announced.ntuples == 0 and params["status"] == "pending":
+        elif checked and announced.ntuples == 0 and params["status"] == "pending":
             # Nothing sent: every consumer of the queue polls it.
             if len(self._quiet) >= ROUTE_CACHE_SIZE:
                 self._quiet.clear()
@@ -716,6 +731,9 @@ def fetched_rows(rows: list[tuple[Any, ...]]) -> list[FetchedRow]:
     ]
 
 
+#: A durable publish's announcement reads the consumers' polling flags of its queue on the
+#: first publish to it and on every this-many-th after (``Store._insert_announced``).
+QUIET_CHECK_EVERY = 8
 #: Routes remembered per Store (publish_routed); past this many (a topic exchange published to
 #: with ever new routing keys), they are forgotten and learnt again.
 ROUTE_CACHE_SIZE = 1024

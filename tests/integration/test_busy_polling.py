@@ -60,6 +60,13 @@ def listener(db_url: str) -> Iterator[psycopg.Connection[Any]]:
     conn.close()
 
 
+@pytest.fixture(autouse=True)
+def check_every_announcement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every announcement reads the consumers' flags (not one in ``QUIET_CHECK_EVERY``), so
+    that a test sees the effect of a flag at the next publish."""
+    monkeypatch.setattr(store_module, "QUIET_CHECK_EVERY", 1)
+
+
 @pytest.fixture
 def quiet_publishes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the publishes that ran as one transaction (``run_together``)."""
@@ -132,6 +139,21 @@ def test_a_queue_whose_consumers_all_poll_is_not_announced(
     assert _notes(listener) == woken
     assert len(quiet_publishes) == 3, "after notifying, back to two transactions"
     assert _job_count(db_url, "bp") == 8
+
+
+def test_an_announcement_reads_the_flags_once_every_few_publishes(
+    store: Store, listener: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading the flags costs the server about 10 us, so a queue's announcement reads them on
+    its first publish and one in ``QUIET_CHECK_EVERY`` after; the others notify."""
+    monkeypatch.setattr(store_module, "QUIET_CHECK_EVERY", 3)
+    store.start_polling([_consumer(store, ["bp"])])
+    woken = []
+    for _ in range(4):
+        store._quiet.discard("bp")  # keep it from going quiet: only the announcement here
+        store.publish(_message("bp"))
+        woken.append(len(_notes(listener)))
+    assert woken == [0, 1, 1, 0], "the 1st and 4th read the flags; the 2nd and 3rd notify"
 
 
 def test_jobs_of_a_callers_transaction_wake_only_the_queues_not_all_polled(
