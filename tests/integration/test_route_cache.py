@@ -12,10 +12,12 @@ import uuid
 from typing import Any
 
 import psycopg
+import pytest
 from kombu import Connection, Exchange, Producer, Queue
 from psycopg import sql
 
 import kombu_pgskip  # noqa: F401  (registers pgskip://)
+import kombu_pgskip.store as store_module
 from kombu_pgskip.grants import PUBLISHER_PRIVILEGES
 from kombu_pgskip.migrate import load_migrations, migrate
 from kombu_pgskip.store import Store
@@ -230,10 +232,14 @@ def test_an_upgraded_publisher_role_may_read_the_epoch(empty_db_url: str) -> Non
             conn.execute(sql.SQL("DROP ROLE {}").format(ident))
 
 
-def test_the_per_message_statements_are_planned_once(connections: Any) -> None:
+def test_the_per_message_statements_are_planned_once(
+    connections: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """PostgreSQL re-plans a prepared statement on every execution when a custom plan looks
     cheaper than the generic one (a NULL-able guard did that to publish: 80 us of server CPU per
-    message). After a few executions each per-message statement must run its generic plan."""
+    message). After a few executions each per-message statement must run its generic plan.
+    (Every announcement reads the polling flags here, so that it runs often enough.)"""
+    monkeypatch.setattr(store_module, "QUIET_CHECK_EVERY", 1)
     worker, caller = connections(), connections()
     ex = Exchange("tasks", "direct")
     _setup(worker, ex, "q1", "k")
