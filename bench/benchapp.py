@@ -10,6 +10,7 @@ broker-neutral clock measures every broker. Configuration comes from the environ
 * ``BENCH_STAMP_DIR``: where the start stamps go
 * ``BENCH_ACKS_LATE``: ``1`` for ``task_acks_late`` with ``worker_prefetch_multiplier = 1`` (the
   settings Celery recommends for tasks that must survive a worker's crash)
+* ``BENCH_CELERY_DEFAULTS``: ``1`` for remote control on, as a worker runs out of the box
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def make_app(
     transport_options: dict[str, Any] | None = None,
     *,
     acks_late: bool = False,
+    celery_defaults: bool = False,
 ) -> Celery:
     """The same app in workers and publishers: only the broker differs between brokers."""
     app = Celery("benchapp", broker=broker_url, set_as_current=False)
@@ -62,6 +64,10 @@ def make_app(
     )
     if acks_late:
         app.conf.update(task_acks_late=True, worker_prefetch_multiplier=1)
+    if celery_defaults:
+        # What `celery -A proj worker` runs with out of the box: remote control on (its
+        # workers also run with gossip, mingle and heartbeats: bench.workers.Worker).
+        app.conf.update(worker_enable_remote_control=True)
 
     @app.task(name="bench.noop", shared=False)
     def noop(i: int = 0) -> None:
@@ -77,4 +83,5 @@ app = make_app(
     os.environ.get("BENCH_QUEUE", "bench"),
     json.loads(os.environ.get("BENCH_TRANSPORT_OPTIONS") or "{}"),
     acks_late=os.environ.get("BENCH_ACKS_LATE") == "1",
+    celery_defaults=os.environ.get("BENCH_CELERY_DEFAULTS") == "1",
 )

@@ -40,12 +40,13 @@ def worker_side(
     timeout: float,
     processes: int = 1,
     acks_late: bool = False,
+    celery_defaults: bool = False,
 ) -> dict[str, Any]:
     """``n`` tasks wait in the broker, then ``processes`` workers start and drain them (with
     ``acks_late``: ``task_acks_late`` and ``worker_prefetch_multiplier = 1``)."""
     broker.reset()
     queue = new_queue("ws")
-    app = publisher_app(broker, queue)
+    app = publisher_app(broker, queue, celery_defaults=celery_defaults)
     stamps = StampDir()
     workers: list[Worker] = []
     try:
@@ -60,6 +61,7 @@ def worker_side(
                 concurrency=concurrency,
                 name=f"ws{k}",
                 acks_late=acks_late,
+                celery_defaults=celery_defaults,
             ).start()
             for k in range(processes)
         ]
@@ -85,10 +87,14 @@ def worker_side(
         broker.delete_queues([queue])
 
 
-def end_to_end(broker: Broker, *, n: int, timeout: float) -> dict[str, Any]:
-    """An idle worker (``-P threads -c 4``); one publisher sends ``n`` tasks back to back."""
+def end_to_end(
+    broker: Broker, *, n: int, timeout: float, celery_defaults: bool = False
+) -> dict[str, Any]:
+    """An idle worker (``-P threads -c 4``); one publisher sends ``n`` tasks back to back.
+    ``celery_defaults``: the worker as it runs out of the box (remote control, gossip, mingle
+    and heartbeats on)."""
     broker.reset()
-    with idle_worker(broker, "e2e") as (app, stamps, (worker,)):
+    with idle_worker(broker, "e2e", celery_defaults=celery_defaults) as (app, stamps, (worker,)):
         if not warm_up(app, stamps):
             return {"error": "worker did not start", "worker_log": worker.log_tail()}
         task = app.tasks["bench.noop"]

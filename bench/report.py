@@ -97,6 +97,13 @@ def rows(data: dict[str, Any]) -> list[list[str]]:
             "",
             "",
         )
+    vals = {b: _get(r, "worker_side", "threads4_defaults", b, "median", "rate") for b in BROKERS}
+    if any(v is not None for v in vals.values()):
+        row(
+            "1. Celery worker side, -P threads -c 4, Celery's defaults (remote control on)",
+            "tasks/s",
+            vals,
+        )
     vals = {b: _get(r, "end_to_end", b, "median", "rate") for b in BROKERS}
     p, rd = vals.get("pgskip"), vals.get("redis")
     row(
@@ -114,6 +121,13 @@ def rows(data: dict[str, Any]) -> list[list[str]]:
     )
     pub = {b: _get(r, "end_to_end", b, "median", "publish_rate") for b in BROKERS}
     row("1. apply_async calls/s during end to end", "calls/s", pub)
+    vals = {b: _get(r, "end_to_end_defaults", b, "median", "rate") for b in BROKERS}
+    if any(v is not None for v in vals.values()):
+        row(
+            "1. Celery end to end, durable, worker with Celery's defaults (remote control on)",
+            "tasks/s",
+            vals,
+        )
     for q, limit in (("p50_ms", 4.0), ("p99_ms", 15.0)):
         lat = {b: _get(r, "latency", b, "median", q) for b in BROKERS}
         p = lat.get("pgskip")

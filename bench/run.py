@@ -8,8 +8,11 @@ Measurements (``--only`` takes these names, comma-separated):
   publish_breakdown  where one durable pgskip apply_async spends its time
   worker_side        Celery: backlog first, then the worker starts (-P threads -c 4 and
                      -P prefork -c 2; and -P threads -c 4 with task_acks_late and
-                     worker_prefetch_multiplier 1)
+                     worker_prefetch_multiplier 1, and with Celery's defaults: remote
+                     control, gossip, mingle and heartbeats on)
   end_to_end         Celery: one publisher, idle worker, publish to task start
+  end_to_end_defaults  the same with the worker as it runs out of the box (remote control,
+                     gossip, mingle and heartbeats on; the other measurements turn them off)
   latency            Celery: apply_async (and apply_async_in) to task start, idle worker
   scaling            Celery worker side with 1, 2, 4, 8 worker processes
   memory             worker RSS while tasks with a one-hour countdown arrive
@@ -24,6 +27,7 @@ Nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -42,6 +46,7 @@ ALL = (
     "publish_breakdown",
     "worker_side",
     "end_to_end",
+    "end_to_end_defaults",
     "latency",
     "scaling",
     "memory",
@@ -189,31 +194,36 @@ class Runner:
         from .celery_bench import worker_side
 
         out: dict[str, Any] = {}
-        for pool, conc, acks_late in (
-            ("threads", 4, False),
-            ("prefork", 2, False),
-            ("threads", 4, True),
+        # The last: the worker as it runs out of the box (remote control, gossip, mingle and
+        # heartbeats on), which the others turn off for every broker.
+        for pool, conc, acks_late, defaults in (
+            ("threads", 4, False, False),
+            ("prefork", 2, False, False),
+            ("threads", 4, True, False),
+            ("threads", 4, False, True),
         ):
             key = f"{pool}{conc}" + ("_acks_late" if acks_late else "")
+            key += "_defaults" if defaults else ""
             out[key] = {}
             for name in CELERY_BROKERS:
                 b = self.broker(name)
-                if b is None:
+                if b is None or (defaults and b.slow):
                     continue
                 n = self.mode.backlog_slow if b.slow else self.mode.backlog
                 late = ", acks_late, prefetch multiplier 1" if acks_late else ""
+                late += ", Celery's defaults" if defaults else ""
                 log(f"worker side -P {pool} -c {conc}{late}: {name} ({n} tasks)")
-                out[key][name] = self.repeat(
-                    f"worker_side {key} {name}",
-                    lambda b=b, n=n, pool=pool, conc=conc, late=acks_late: worker_side(
-                        b,
-                        pool=pool,
-                        concurrency=conc,
-                        n=n,
-                        timeout=self.mode.worker_timeout,
-                        acks_late=late,
-                    ),
+                run = functools.partial(
+                    worker_side,
+                    b,
+                    pool=pool,
+                    concurrency=conc,
+                    n=n,
+                    timeout=self.mode.worker_timeout,
+                    acks_late=acks_late,
+                    celery_defaults=defaults,
                 )
+                out[key][name] = self.repeat(f"worker_side {key} {name}", run)
         self.results["worker_side"] = out
 
     def end_to_end(self) -> None:
@@ -231,6 +241,24 @@ class Runner:
                 lambda b=b, n=n: end_to_end(b, n=n, timeout=self.mode.worker_timeout),
             )
         self.results["end_to_end"] = out
+
+    def end_to_end_defaults(self) -> None:
+        from .celery_bench import end_to_end
+
+        out: dict[str, Any] = {}
+        for name in ("pgskip", "rabbitmq", "redis"):
+            b = self.broker(name)
+            if b is None:
+                continue
+            n = self.mode.e2e_tasks
+            log(f"end to end, Celery's default worker: {name} ({n} tasks)")
+            out[name] = self.repeat(
+                f"end_to_end_defaults {name}",
+                lambda b=b, n=n: end_to_end(
+                    b, n=n, timeout=self.mode.worker_timeout, celery_defaults=True
+                ),
+            )
+        self.results["end_to_end_defaults"] = out
 
     def latency(self) -> None:
         from .latency import latency

@@ -92,9 +92,11 @@ class Worker:
         name: str = "bench",
         log_dir: Path | None = None,
         acks_late: bool = False,
+        celery_defaults: bool = False,
     ) -> None:
         self.broker = broker
         self.acks_late = acks_late
+        self.celery_defaults = celery_defaults
         self.queue = queue
         self.stamps = stamps
         self.pool = pool
@@ -104,6 +106,17 @@ class Worker:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def argv(self) -> list[str]:
+        # Out of the box a worker gossips, mingles and sends heartbeats; the measurements
+        # turn that off for every broker, except those of Celery's defaults.
+        quiet = (
+            []
+            if self.celery_defaults
+            else [
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ]
+        )
         return [
             sys.executable,
             "-m",
@@ -119,9 +132,7 @@ class Worker:
             self.queue,
             "-n",
             f"{self.name}@%h",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
+            *quiet,
             "-l",
             "WARNING",
         ]
@@ -134,6 +145,7 @@ class Worker:
             BENCH_TRANSPORT_OPTIONS=json.dumps(self.broker.transport_options),
             BENCH_STAMP_DIR=str(self.stamps.path),
             BENCH_ACKS_LATE="1" if self.acks_late else "0",
+            BENCH_CELERY_DEFAULTS="1" if self.celery_defaults else "0",
             PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
         )
         with open(self.log_path, "ab") as log:
@@ -182,22 +194,36 @@ def stop_all(workers: Iterable[Worker]) -> None:
         w.stop()
 
 
-def publisher_app(broker: Broker, queue: str) -> Any:
-    return make_app(broker.publisher_url or "", queue, broker.transport_options)
+def publisher_app(broker: Broker, queue: str, *, celery_defaults: bool = False) -> Any:
+    return make_app(
+        broker.publisher_url or "",
+        queue,
+        broker.transport_options,
+        celery_defaults=celery_defaults,
+    )
 
 
 @contextlib.contextmanager
 def idle_worker(
-    broker: Broker, tag: str, processes: int = 1
+    broker: Broker, tag: str, processes: int = 1, *, celery_defaults: bool = False
 ) -> Iterator[tuple[Any, StampDir, list[Worker]]]:
     """Started ``-P threads -c 4`` workers (``processes`` of them, on one queue) and a
     publisher app for that queue (the caller checks :func:`warm_up`); stopped, cleaned up and
-    the queue deleted on exit."""
+    the queue deleted on exit. ``celery_defaults``: workers as they run out of the box (remote
+    control, gossip, mingle and heartbeats on)."""
     queue = new_queue(tag)
-    app = publisher_app(broker, queue)
+    app = publisher_app(broker, queue, celery_defaults=celery_defaults)
     stamps = StampDir()
     workers = [
-        Worker(broker, queue, stamps, pool="threads", concurrency=4, name=f"{tag}{k}")
+        Worker(
+            broker,
+            queue,
+            stamps,
+            pool="threads",
+            concurrency=4,
+            name=f"{tag}{k}",
+            celery_defaults=celery_defaults,
+        )
         for k in range(processes)
     ]
     try:

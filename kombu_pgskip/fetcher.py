@@ -31,7 +31,7 @@ from .urls import connect
 logger = logging.getLogger(__name__)
 
 _STATEMENT = b"pgskip_ack_fetch"
-_PARAMS = ("ids", "attempts", "queues", "limit", "consumer")
+_PARAMS = ("ids", "attempts", "queues", "limit", "consumer", "urgent")
 
 
 class Cooldown:
@@ -89,6 +89,8 @@ class AsyncFetcher:
         self._conn: psycopg.Connection[Any] | None = None
         self._pid = os.getpid()
         self._sent: int | None = None  # the limit of the fetch in flight
+        # Whether the last fetch saw a due message in one of the urgent queues it was given.
+        self.urgent = False
         text = queries_for(schema)["ack_fetch"].as_string(None)
         query, names = positional(text)
         assert set(names) == set(_PARAMS), names
@@ -136,8 +138,11 @@ class AsyncFetcher:
         queues: Sequence[str],
         limit: int,
         consumer: uuid.UUID,
+        urgent: Sequence[str] = (),
     ) -> None:
-        """Ack ``tags`` and ask for up to ``limit`` messages of ``queues``; do not wait."""
+        """Ack ``tags`` and ask for up to ``limit`` messages of ``queues``; do not wait.
+        :attr:`urgent` then says whether a due message waits in one of the queues ``urgent``
+        (read in the fetch's snapshot; not fetched)."""
         if self._sent is not None:
             raise RuntimeError("a fetch is already in flight")
         pgconn = self._pgconn()
@@ -147,6 +152,7 @@ class AsyncFetcher:
             "queues": array_literal(list(queues)),
             "limit": str(max(limit, 0)).encode(),
             "consumer": str(consumer).encode(),
+            "urgent": array_literal(list(urgent)),
         }
         try:
             params = [values[n] for n in self._order]
@@ -196,6 +202,7 @@ class AsyncFetcher:
     ) -> tuple[int, list[FetchedRow]]:
         """``ack_fetch``'s text-format result as (acks still ours, rows in delivery order)."""
         acked = 0
+        urgent = False
         rows: list[tuple[Any, ...]] = []
         for res in results:
             if res.status != pq.ExecStatus.TUPLES_OK:
@@ -206,6 +213,7 @@ class AsyncFetcher:
             for i in range(res.ntuples):
                 value = res.get_value
                 acked = int(value(i, 0) or 0)
+                urgent = value(i, 9) == b"t"
                 if value(i, 1) is None:
                     continue  # the lone row of a fetch that found nothing
                 rows.append(
@@ -220,6 +228,7 @@ class AsyncFetcher:
                         int(value(i, 8) or 0),  # round-robin rank
                     )
                 )
+        self.urgent = urgent
         return acked, fetched_rows(rows)
 
     def _drop(self) -> None:

@@ -532,10 +532,11 @@ class Store:
                 "queues": list(queues),
                 "limit": max(limit, 0),
                 "consumer": consumer,
+                "urgent": [],
             },
         )
         acked = int(rows[0][0]) if rows else 0
-        return acked, fetched_rows([r[1:] for r in rows if r[1] is not None])
+        return acked, fetched_rows([r[1:9] for r in rows if r[1] is not None])
 
     def ack(self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID) -> int:
         """Mark (id, attempt) pairs completed; returns how many were still ours."""

@@ -159,10 +159,23 @@ RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts, jo
 WITH picked AS ({@due})
 {@take};
 
--- ack_fetch: ack delivered messages (fenced, as ack) and fetch (as fetch) in one round trip; every row starts with how many acks were still ours, and a lone row with no message says nothing was due
+-- ack_fetch: ack delivered messages (fenced, as ack) and fetch (as fetch) in one round trip; every row starts with how many acks were still ours, and a lone row with no message says nothing was due; every row ends with whether a due message waits in one of the queues urgent (the no-ack queues of remote control and events, which the event loop fetches on their notification, the poll, or this saying so: Transport._deliver_urgent), read in the fetch's own snapshot, one probe of the dequeue index per queue (ordered as that index: the generic plan, estimating that most rows match, would otherwise scan the table)
 WITH acked AS ({@ack}), picked AS ({@due}), taken AS ({@take})
-SELECT a.n, t.id, t.queue, t.payload, t.redelivered, t.attempts, t.expires_at, t.priority, t.rn
-  FROM (SELECT count(*) AS n FROM acked) AS a
+SELECT a.n, t.id, t.queue, t.payload, t.redelivered, t.attempts, t.expires_at, t.priority, t.rn,
+       a.urgent
+  FROM (SELECT count(*) AS n,
+               EXISTS (SELECT 1
+                         FROM unnest(%(urgent)s::text[]) AS uq(name)
+                        CROSS JOIN LATERAL (
+                              SELECT 1
+                                FROM {schema}.jobs AS u
+                               WHERE u.queue = uq.name
+                                 AND u.status = 'pending'
+                                 AND u.run_at <= now()
+                                 AND (u.expires_at IS NULL OR u.expires_at > now())
+                               ORDER BY u.priority DESC, u.run_at, u.id
+                               LIMIT 1) AS w) AS urgent
+          FROM acked) AS a
   LEFT JOIN taken AS t ON true;
 
 -- fetch_noack: take and delete up to limit due messages (no-ack consumers: remote control, events)
