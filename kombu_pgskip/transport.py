@@ -866,7 +866,10 @@ class Channel(virtual.Channel):
         noack_queues = [q for q in queues if q in self._no_ack_queues]
         out: list[FetchedRow] = []
         transport = self.connection
-        if noack_queues and (self._noack_due or not transport._skips_noack()):
+        # A channel that also consumes with acks fetches both every time, as before: its own
+        # fetch of those (without a fetcher of its own) does not say whether a no-ack queue
+        # has a message waiting.
+        if noack_queues and (self._noack_due or ack_queues or not transport._skips_noack()):
             # Never with a fetcher of its own (see _own_fetcher).
             out += self.consumer_store.fetch(noack_queues, limit, self.consumer_id, no_ack=True)
             self._noack_due = len(out) >= limit  # more may be due

@@ -226,3 +226,45 @@ def test_the_task_fetch_looks_into_the_no_ack_queues_by_index(db_url: str) -> No
     finally:
         fetcher.close()
         store.close()
+
+
+def test_a_channel_consuming_both_ways_fetches_its_no_ack_queues_every_time(
+    db_url: str, noack_fetches: list[list[str]]
+) -> None:
+    """A channel with no-ack and acked consumers has no fetcher of its own to say that a
+    no-ack queue has a message waiting: each of its fetches takes both, no-ack first."""
+    delivered: list[tuple[str, int]] = []
+
+    def on_task(body: Any, message: Any) -> None:
+        delivered.append(("task", body["i"]))
+        message.ack()
+
+    with (
+        Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn,
+        Connection(_broker(db_url)) as other,
+    ):
+        _publish(other, CONTROL, -1)
+        _publish(other, TASKS, -1)
+        channel = conn.channel()
+        Consumer(
+            channel,
+            [CONTROL],
+            callbacks=[lambda body, m: delivered.append(("control", body["i"]))],
+            no_ack=True,
+        ).consume()
+        Consumer(channel, [TASKS], callbacks=[on_task], prefetch_count=10).consume()
+        hub = Hub()
+        try:
+            conn.transport.register_with_event_loop(conn.connection, hub)
+            _run_until(hub, lambda: len(delivered) == 2)
+            assert delivered == [("control", -1), ("task", -1)]
+            _run_until(hub, lambda: False, timeout=0.3)
+            before = len(noack_fetches)
+            _publish(other, CONTROL, 0)
+            _publish(other, TASKS, 0)
+            conn.transport._async_drain({"tasks"})  # before any notification is read
+            assert delivered[2:] == [("control", 0), ("task", 0)]
+            assert noack_fetches[before:] == [["control"]]
+        finally:
+            conn.transport.unregister_from_event_loop(conn.connection, hub)
+            hub.close()
