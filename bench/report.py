@@ -88,22 +88,13 @@ def rows(data: dict[str, Any]) -> list[list[str]]:
             ">= 1.0x RabbitMQ",
             yes(None if p is None or rb is None else p >= rb),
         )
-    vals = {b: _get(r, "worker_side", "threads4_acks_late", b, "median", "rate") for b in BROKERS}
-    if any(v is not None for v in vals.values()):
-        row(
-            "1. Celery worker side, -P threads -c 4, acks_late, prefetch multiplier 1",
-            "tasks/s",
-            vals,
-            "",
-            "",
-        )
-    vals = {b: _get(r, "worker_side", "threads4_defaults", b, "median", "rate") for b in BROKERS}
-    if any(v is not None for v in vals.values()):
-        row(
-            "1. Celery worker side, -P threads -c 4, Celery's defaults (remote control on)",
-            "tasks/s",
-            vals,
-        )
+    for key, label in (
+        ("threads4_acks_late", "acks_late, prefetch multiplier 1"),
+        ("threads4_defaults", "Celery's defaults (remote control on)"),
+    ):
+        vals = {b: _get(r, "worker_side", key, b, "median", "rate") for b in BROKERS}
+        if any(v is not None for v in vals.values()):
+            row(f"1. Celery worker side, -P threads -c 4, {label}", "tasks/s", vals)
     vals = {b: _get(r, "end_to_end", b, "median", "rate") for b in BROKERS}
     p, rd = vals.get("pgskip"), vals.get("redis")
     row(

@@ -34,6 +34,25 @@ def _run_until(hub: Hub, done: Any, timeout: float = 10.0) -> None:
         hub.run_once()
 
 
+def _consume(control_channel: Any, task_channel: Any) -> list[tuple[str, int]]:
+    """Consumers of CONTROL without acks (as remote control) and of TASKS (each acked on
+    arrival, prefetch 10) on the channels given; what they deliver, in order."""
+    delivered: list[tuple[str, int]] = []
+
+    def on_task(body: Any, message: Any) -> None:
+        delivered.append(("task", body["i"]))
+        message.ack()
+
+    Consumer(
+        control_channel,
+        [CONTROL],
+        callbacks=[lambda body, m: delivered.append(("control", body["i"]))],
+        no_ack=True,
+    ).consume()
+    Consumer(task_channel, [TASKS], callbacks=[on_task], prefetch_count=10).consume()
+    return delivered
+
+
 @pytest.fixture
 def noack_fetches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """The queues of every no-ack fetch statement run (the real statement runs)."""
@@ -56,26 +75,14 @@ def _worker_like(db_url: str) -> Iterator[tuple[Connection, Any, list[tuple[str,
     """A connection consuming CONTROL without acks (as remote control) on one channel and
     TASKS (acked on arrival) on another, registered with a kombu Hub and settled: (the
     connection, the task channel, what was delivered in order, the hub)."""
-    delivered: list[tuple[str, int]] = []
-
-    def on_task(body: Any, message: Any) -> None:
-        delivered.append(("task", body["i"]))
-        message.ack()
-
     options = {"polling_interval": 30}
     with Connection(_broker(db_url), transport_options=options) as conn:
         _publish(conn, CONTROL, -1)  # declares both queues; the first drain takes these
         _publish(conn, TASKS, -1)
         hub = Hub()
         try:
-            Consumer(
-                conn.channel(),
-                [CONTROL],
-                callbacks=[lambda body, m: delivered.append(("control", body["i"]))],
-                no_ack=True,
-            ).consume()
             tasks = conn.channel()
-            Consumer(tasks, [TASKS], callbacks=[on_task], prefetch_count=10).consume()
+            delivered = _consume(conn.channel(), tasks)
             conn.transport.register_with_event_loop(conn.connection, hub)
             _run_until(hub, lambda: len(delivered) == 2)
             assert sorted(delivered) == [("control", -1), ("task", -1)]
@@ -140,25 +147,13 @@ def test_outside_an_event_loop_each_fetch_takes_the_no_ack_queues_first(
 ) -> None:
     """kombu's blocking ``drain_events`` has no task fetch that would say a control message
     waits: each of its fetches takes the no-ack queues first, as before."""
-    delivered: list[tuple[str, int]] = []
-
-    def on_task(body: Any, message: Any) -> None:
-        delivered.append(("task", body["i"]))
-        message.ack()
-
     with (
         Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn,
         Connection(_broker(db_url)) as other,
     ):
         _publish(other, CONTROL, -1)
         _publish(other, TASKS, -1)
-        Consumer(
-            conn.channel(),
-            [CONTROL],
-            callbacks=[lambda body, m: delivered.append(("control", body["i"]))],
-            no_ack=True,
-        ).consume()
-        Consumer(conn.channel(), [TASKS], callbacks=[on_task], prefetch_count=10).consume()
+        delivered = _consume(conn.channel(), conn.channel())
         for i in range(-1, 3):
             before = len(noack_fetches)
             if i >= 0:
@@ -233,12 +228,6 @@ def test_a_channel_consuming_both_ways_fetches_its_no_ack_queues_every_time(
 ) -> None:
     """A channel with no-ack and acked consumers has no fetcher of its own to say that a
     no-ack queue has a message waiting: each of its fetches takes both, no-ack first."""
-    delivered: list[tuple[str, int]] = []
-
-    def on_task(body: Any, message: Any) -> None:
-        delivered.append(("task", body["i"]))
-        message.ack()
-
     with (
         Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn,
         Connection(_broker(db_url)) as other,
@@ -246,13 +235,7 @@ def test_a_channel_consuming_both_ways_fetches_its_no_ack_queues_every_time(
         _publish(other, CONTROL, -1)
         _publish(other, TASKS, -1)
         channel = conn.channel()
-        Consumer(
-            channel,
-            [CONTROL],
-            callbacks=[lambda body, m: delivered.append(("control", body["i"]))],
-            no_ack=True,
-        ).consume()
-        Consumer(channel, [TASKS], callbacks=[on_task], prefetch_count=10).consume()
+        delivered = _consume(channel, channel)
         hub = Hub()
         try:
             conn.transport.register_with_event_loop(conn.connection, hub)
