@@ -1966,8 +1966,8 @@ class Transport(virtual.Transport):
         they are due (``Channel._noack_due``: a notification for one, the poll, a promotion,
         a new consumer, or a task fetch that saw a message waiting in one). Only in the event
         loop, notified, with task fetches that tell (``AsyncFetcher.urgent``): fetching them
-        every time costs the loop a round trip per fetch (a fifth of a worker's rate with
-        Celery's default remote control)."""
+        every time costs the loop a round trip per fetch (about a quarter of a worker's rate
+        with Celery's default remote control, docs/performance.md)."""
         return self._loop is not None and self.options.listen and self.options.async_fetch
 
     def _urgent_queues(self) -> list[str]:
