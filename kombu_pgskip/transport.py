@@ -1867,7 +1867,7 @@ class Transport(virtual.Transport):
         if not opts.busy_polling or opts.fetch_cooldown <= 0 or not opts.listen:
             return
         if self._polling:
-            if took or channel._more_due or channel._starved:
+            if took:  # (a fetch that takes nothing never filled its limit: none has limit 0)
                 self._empty_polls = 0
                 return
             self._empty_polls += 1
@@ -1978,7 +1978,7 @@ class Transport(virtual.Transport):
         for channel in self.channels:
             if not channel.closed:
                 queues.update(channel._no_ack_queues)
-        return sorted(queues)
+        return list(queues)
 
     def _noack_all_due(self) -> None:
         for channel in self.channels:

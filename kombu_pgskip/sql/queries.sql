@@ -65,7 +65,7 @@ SELECT {@wake}
   FROM (SELECT %(queue)s::text AS queue, %(status)s::text AS status) AS i
  WHERE i.status <> 'pending' OR {@wanted};
 
--- announce_unchecked: as announce without reading the consumers' flags (they cost about 10 us of server time): what Store.publish sends between two checks of a queue's flags
+-- announce_unchecked: as announce without reading the consumers' flags (they cost about 10 us of server time): what Store.publish sends between two checks of a queue's flags. A statement of its own, not announce with a boolean that skips the read: PostgreSQL folds such a constant away in a custom plan, finds that cheaper than the generic one, and would plan the statement afresh at every execution (0 generic plans of 12 in a check)
 SELECT {@wake}
   FROM (SELECT %(queue)s::text AS queue, %(status)s::text AS status) AS i;
 
