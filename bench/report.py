@@ -208,7 +208,15 @@ def rows(data: dict[str, Any]) -> list[list[str]]:
     held = {b: _get(_first_run(_get(r, "memory", b)), "waiting_in_broker") for b in BROKERS}
     if any(v is not None for v in held.values()):
         row("6. of those, still waiting in the broker at the end", "msgs", held)
-    for key, how in (("steady_state", ""), ("steady_state_naptime10s", ", autovacuum_naptime 10s")):
+    for key, how in (
+        ("steady_state", ""),
+        ("steady_state_naptime10s", ", autovacuum_naptime 10s"),
+        ("steady_state_keep_completed_off", ", keep_completed=False (acks delete)"),
+        (
+            "steady_state_keep_completed_off_naptime10s",
+            ", keep_completed=False, autovacuum_naptime 10s",
+        ),
+    ):
         st = _first_run(_get(r, key))
         if not st.get("messages"):
             continue

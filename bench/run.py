@@ -53,6 +53,13 @@ ALL = (
     "steady_state",
 )
 CELERY_BROKERS = ("pgskip", "rabbitmq", "redis", "sqlalchemy")
+# Staying small: (result key, autovacuum_naptime, keep_completed).
+STEADY_STATES = (
+    ("steady_state", None, True),
+    ("steady_state_naptime10s", "10s", True),
+    ("steady_state_keep_completed_off", None, False),
+    ("steady_state_keep_completed_off_naptime10s", "10s", False),
+)
 
 
 def _numeric_medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -347,17 +354,19 @@ class Runner:
         if pg is None:
             return
         payload = sample_payload(pg)
-        for key, naptime in (("steady_state", None), ("steady_state_naptime10s", "10s")):
+        for key, naptime, kept in STEADY_STATES:
             how = "" if naptime is None else f" with autovacuum_naptime = {naptime}"
+            how += "" if kept else " and keep_completed=False (acks delete)"
             log(f"steady state{how}: {self.mode.steady_messages} messages through pgskip")
 
-            def one(naptime: str | None = naptime) -> dict[str, Any]:
+            def one(naptime: str | None = naptime, kept: bool = kept) -> dict[str, Any]:
                 return steady_state(
                     pg,
                     payload,
                     messages=self.mode.steady_messages,
                     retention=self.mode.steady_retention,
                     autovacuum_naptime=naptime,
+                    keep_completed=kept,
                 )
 
             self.results[key] = self.repeat(key, one, runs=1)

@@ -50,7 +50,9 @@ SELECT indexrelid::regclass::text, pg_relation_size(indexrelid)
 """
 
 
-def _consumer(url: str, target: Any, stop: Any, done: Any) -> list[tuple[float, float, int]]:
+def _consumer(
+    url: str, target: Any, stop: Any, done: Any, kept: bool
+) -> list[tuple[float, float, int]]:
     from kombu_pgskip.store import Store
 
     store = Store(url, check=False)
@@ -64,7 +66,7 @@ def _consumer(url: str, target: Any, stop: Any, done: Any) -> list[tuple[float, 
         if not rows:
             time.sleep(0.005)
             continue
-        store.ack([(r.id, r.attempts) for r in rows], me)
+        store.ack([(r.id, r.attempts) for r in rows], me, delete=not kept)
         with done.get_lock():
             done.value += len(rows)
             total = done.value
@@ -76,9 +78,11 @@ def _consumer(url: str, target: Any, stop: Any, done: Any) -> list[tuple[float, 
     return timings
 
 
-def _consumer_main(url: str, target: int, stop: Any, done: Any, results: Any) -> None:
+def _consumer_main(
+    url: str, target: int, stop: Any, done: Any, results: Any, kept: bool = True
+) -> None:
     try:
-        results.put(_consumer(url, target, stop, done))
+        results.put(_consumer(url, target, stop, done, kept))
     except BaseException:
         stop.set()
         results.put([])
@@ -150,9 +154,12 @@ def steady_state(
     messages: int,
     retention: float,
     autovacuum_naptime: str | None = None,
+    keep_completed: bool = True,
 ) -> dict[str, Any]:
     """``autovacuum_naptime``: run with this server setting (the bench's own cluster), as
-    docs/performance.md advises for queue workloads; None keeps PostgreSQL's default (1min)."""
+    docs/performance.md advises for queue workloads; None keeps PostgreSQL's default (1min).
+    ``keep_completed=False``: the consumers' acks delete the rows (the transport option of that
+    name); pruning runs all the same, and finds nothing."""
     url = pgskip.db_url or ""
     pgskip.reset()
     with psycopg.connect(url, autocommit=True) as conn:
@@ -180,7 +187,9 @@ def steady_state(
     t0 = time.time()
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_consumer_main, args=(url, messages, stop, done, results))
+        ctx.Process(
+            target=_consumer_main, args=(url, messages, stop, done, results, keep_completed)
+        )
         for _ in range(2)
     ]
     with psycopg.connect(url, autocommit=True) as conn:
@@ -250,6 +259,7 @@ def steady_state(
         "samples": samples,
         "fetch_curve": curve,
         "autovacuum_naptime": autovacuum_naptime or "default (1min)",
+        "keep_completed": keep_completed,
     }
     with psycopg.connect(url, autocommit=True) as conn:
         _set_naptime(conn, None)

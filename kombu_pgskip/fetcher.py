@@ -30,7 +30,6 @@ from .urls import connect
 
 logger = logging.getLogger(__name__)
 
-_STATEMENT = b"pgskip_ack_fetch"
 _PARAMS = ("ids", "attempts", "queues", "limit", "consumer", "urgent")
 
 
@@ -80,7 +79,9 @@ class AsyncFetcher:
         asynchronous_commit: bool,
         connect_timeout: float,
         prepared: bool = True,
+        keep_completed: bool = True,
     ) -> None:
+        """``keep_completed=False``: acks delete their messages (``ack_delete_fetch``)."""
         self.url = url
         self.schema = schema
         self._asynchronous_commit = asynchronous_commit
@@ -91,7 +92,9 @@ class AsyncFetcher:
         self._sent: int | None = None  # the limit of the fetch in flight
         # Whether the last fetch saw a due message in one of the urgent queues it was given.
         self.urgent = False
-        text = queries_for(schema)["ack_fetch"].as_string(None)
+        name = "ack_fetch" if keep_completed else "ack_delete_fetch"
+        self._statement = f"pgskip_{name}".encode()
+        text = queries_for(schema)[name].as_string(None)
         query, names = positional(text)
         assert set(names) == set(_PARAMS), names
         self._query = query.encode()
@@ -116,7 +119,7 @@ class AsyncFetcher:
                     # of the table): a few hundred microseconds of server CPU per fetch. Its
                     # generic plan walks the same indexes (docs/performance.md).
                     conn.execute("SET plan_cache_mode TO force_generic_plan")
-                    res = conn.pgconn.prepare(_STATEMENT, self._query)
+                    res = conn.pgconn.prepare(self._statement, self._query)
                     if res.status != pq.ExecStatus.COMMAND_OK:
                         message = res.get_error_message()
                         raise connection_error(
@@ -157,7 +160,7 @@ class AsyncFetcher:
         try:
             params = [values[n] for n in self._order]
             if self._prepared:
-                pgconn.send_query_prepared(_STATEMENT, params)
+                pgconn.send_query_prepared(self._statement, params)
             else:
                 pgconn.send_query_params(self._query, params)
             while pgconn.flush():  # 1 while data remains to be sent: rare for a small query

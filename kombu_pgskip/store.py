@@ -521,11 +521,13 @@ class Store:
         queues: Sequence[str],
         limit: int,
         consumer: uuid.UUID,
+        *,
+        delete: bool = False,
     ) -> tuple[int, list[FetchedRow]]:
         """:meth:`ack` and :meth:`fetch` in one statement: (acks still ours, messages taken)."""
         ids, attempts = _split(tags)
         rows = self.execute(
-            "ack_fetch",
+            "ack_delete_fetch" if delete else "ack_fetch",
             {
                 "ids": ids,
                 "attempts": attempts,
@@ -538,10 +540,14 @@ class Store:
         acked = int(rows[0][0]) if rows else 0
         return acked, fetched_rows([r[1:9] for r in rows if r[1] is not None])
 
-    def ack(self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID) -> int:
-        """Mark (id, attempt) pairs completed; returns how many were still ours."""
+    def ack(
+        self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID, *, delete: bool = False
+    ) -> int:
+        """Mark (id, attempt) pairs completed, or with ``delete`` delete them (the transport
+        option ``keep_completed=False``); returns how many were still ours."""
         ids, attempts = _split(tags)
-        return len(self.execute("ack", {"ids": ids, "attempts": attempts, "consumer": consumer}))
+        params = {"ids": ids, "attempts": attempts, "consumer": consumer}
+        return len(self.execute("ack_delete" if delete else "ack", params))
 
     def requeue(
         self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID, *, max_attempts: int

@@ -26,10 +26,11 @@ A message's life
 ================
 ``pending -> running`` when a consumer fetches it (one statement, ``UPDATE ... FROM (SELECT ...
 FOR UPDATE SKIP LOCKED)``, up to the consumer's free prefetch credit); ``running -> completed`` on
-ack; ``running -> pending`` on requeue, on channel close, or when its consumer's lease runs out
-(``redelivered`` is then true); ``running -> failed`` on reject without requeue or after
-``max_attempts`` deliveries. A message whose ``eta`` is more than ``eta_threshold`` seconds away
-is stored as ``scheduled`` and promoted to ``pending`` when due, so workers do not hold it.
+ack (deleted instead with ``keep_completed=False``); ``running -> pending`` on requeue, on
+channel close, or when its consumer's lease runs out (``redelivered`` is then true);
+``running -> failed`` on reject without requeue or after ``max_attempts`` deliveries. A message
+whose ``eta`` is more than ``eta_threshold`` seconds away is stored as ``scheduled`` and promoted
+to ``pending`` when due, so workers do not hold it.
 
 Every consumer has a lease (a row in ``consumers``) that a heartbeat thread renews every
 ``lease_seconds / 3``; a consumer that dies stops renewing, and after ``lease_seconds`` any live
@@ -119,6 +120,9 @@ option                        default    meaning
                                          poll send no NOTIFY, in one transaction instead of
                                          two. Stops at the second poll in a row that finds
                                          nothing. Needs ``fetch_cooldown`` > 0 and ``listen``
+``keep_completed``            True       an ack marks its message ``completed`` (kept until the
+                                         prune job's ``completed_retention``). False: an ack
+                                         deletes it; failed messages are kept either way
 ============================  =========  ==========================================================
 """
 
@@ -206,6 +210,7 @@ class Options:
     fetch_cooldown: float = 0.002
     fetch_cooldown_max: float = 0.02
     busy_polling: bool = True
+    keep_completed: bool = True
 
     @property
     def connect_kwargs(self) -> dict[str, Any]:
@@ -898,7 +903,11 @@ class Channel(virtual.Channel):
                 return []  # the rows arrive with the reply (Transport._on_fetch_readable)
             with self._acks_kept_if_unwritten(pairs):
                 done, rows = self.consumer_store.ack_fetch(
-                    pairs, ack_queues, limit - len(out), self.consumer_id
+                    pairs,
+                    ack_queues,
+                    limit - len(out),
+                    self.consumer_id,
+                    delete=not self.options.keep_completed,
                 )
             self._acks_written(len(pairs), done)
             out += rows
@@ -934,6 +943,7 @@ class Channel(virtual.Channel):
                 asynchronous_commit=not self.options.synchronous_acks,
                 prepared=self.options.prepared_statements,
                 connect_timeout=self.options.connect_timeout,
+                keep_completed=self.options.keep_completed,
             )
         return self._fetcher
 
@@ -1001,7 +1011,9 @@ class Channel(virtual.Channel):
         if not pairs:
             return 0
         with self._acks_kept_if_unwritten(pairs):
-            done = (store or self.connection.consumer_store).ack(pairs, self.consumer_id)
+            done = (store or self.connection.consumer_store).ack(
+                pairs, self.consumer_id, delete=not self.options.keep_completed
+            )
         self._acks_written(len(pairs), done)
         return len(pairs)
 
@@ -1065,7 +1077,7 @@ class Channel(virtual.Channel):
         pairs = [parse_tag(t) for t in tags]
         store = self.consumer_store
         if how == "ack":
-            done = store.ack(pairs, self.consumer_id)
+            done = store.ack(pairs, self.consumer_id, delete=not self.options.keep_completed)
         elif how == "requeue":
             done, failed = store.requeue(
                 pairs, self.consumer_id, max_attempts=self.options.max_attempts

@@ -160,7 +160,13 @@ WITH picked AS ({@due})
 {@take};
 
 -- ack_fetch: ack delivered messages (fenced, as ack) and fetch (as fetch) in one round trip; every row starts with how many acks were still ours, and a lone row with no message says nothing was due; every row ends with whether a due message waits in one of the queues urgent (the no-ack queues of remote control and events, which the event loop fetches on their notification, the poll, or this saying so: Transport._deliver_urgent), read in the fetch's own snapshot, one probe of the dequeue index per queue (ordered as that index: the generic plan, estimating that most rows match, would otherwise scan the table)
-WITH acked AS ({@ack}), picked AS ({@due}), taken AS ({@take})
+WITH acked AS ({@ack}), {@fetch_after_ack};
+
+-- ack_delete_fetch: as ack_fetch, with the acks deleting their messages (ack_delete) instead of marking them completed: the transport option keep_completed=False
+WITH acked AS ({@ack_delete}), {@fetch_after_ack};
+
+-- fetch_after_ack: (fragment, included as {@fetch_after_ack} after a CTE named acked that returns one row per ack still ours) the fetch of ack_fetch and the row it returns
+picked AS ({@due}), taken AS ({@take})
 SELECT a.n, t.id, t.queue, t.payload, t.redelivered, t.attempts, t.expires_at, t.priority, t.rn,
        a.urgent
   FROM (SELECT count(*) AS n,
@@ -176,7 +182,7 @@ SELECT a.n, t.id, t.queue, t.payload, t.redelivered, t.attempts, t.expires_at, t
                                ORDER BY u.priority DESC, u.run_at, u.id
                                LIMIT 1) AS w) AS urgent
           FROM acked) AS a
-  LEFT JOIN taken AS t ON true;
+  LEFT JOIN taken AS t ON true
 
 -- fetch_noack: take and delete up to limit due messages (no-ack consumers: remote control, events)
 WITH picked AS ({@due})
@@ -189,10 +195,18 @@ RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts + 1
 -- ack: mark delivered messages completed (fenced); ids[k] was delivered as attempts[k]. Rows are found by id and their attempts looked up in the array, not joined to unnest(): a prepared statement's generic plan, which cannot know the arrays' sizes, then still reads each row once
 UPDATE {schema}.jobs AS jobs
    SET status = 'completed', finished_at = now(), locked_by = NULL
- WHERE jobs.id = ANY (%(ids)s::bigint[])
+ WHERE {@ack_fence}
+RETURNING jobs.id;
+
+-- ack_delete: as ack, deleting the acknowledged messages instead of marking them completed (transport option keep_completed=False: no completed rows, nothing for the prune job; one dead row version less per message, and none of a kilobyte kept for the retention period)
+DELETE FROM {schema}.jobs AS jobs
+ WHERE {@ack_fence}
+RETURNING jobs.id;
+
+-- ack_fence: (fragment, included as {@ack_fence} in the WHERE of ack and ack_delete over jobs AS jobs) the delivered messages ids[k] as delivery attempts[k], only while still running under consumer
+jobs.id = ANY (%(ids)s::bigint[])
    AND jobs.attempts = (%(attempts)s::integer[])[array_position(%(ids)s::bigint[], jobs.id)]
    AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
-RETURNING jobs.id;
 
 -- requeue: return delivered messages to pending (fenced), or to failed past max_attempts deliveries
 WITH r AS (

@@ -149,8 +149,9 @@ def wait_finished(path: Path, n: int, timeout: float, what: str) -> None:
         time.sleep(0.25)
 
 
-def wait_all_completed(db_url: str, n: int, timeout: float) -> None:
-    """Until every row of the queue is ``completed`` (the workers must still run).
+def wait_all_completed(db_url: str, n: int, timeout: float, *, kept: bool = True) -> None:
+    """Until every row of the queue is ``completed`` (the workers must still run); with
+    ``kept`` false (workers with ``keep_completed=False``), until no row is left.
 
     A task that finished just before its worker was killed may have had its ack still queued
     (acks are written with the next fetch): its row stays ``running`` under the dead consumer
@@ -158,7 +159,8 @@ def wait_all_completed(db_url: str, n: int, timeout: float) -> None:
     runs again. Nothing is lost, but the table only converges once that has happened.
     """
     deadline = time.monotonic() + timeout
-    while (counts := job_status_counts(db_url)) != {"completed": n}:
+    expected = {"completed": n} if kept else {}
+    while (counts := job_status_counts(db_url)) != expected:
         if time.monotonic() > deadline:
             raise AssertionError(f"rows not all completed after {timeout}s: {counts}")
         time.sleep(0.25)
