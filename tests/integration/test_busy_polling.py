@@ -394,3 +394,74 @@ def test_an_event_loop_polls_a_streaming_queue_and_its_publishers_stop_notifying
         finally:
             transport.unregister_from_event_loop(conn.connection, hub)
             hub.close()
+
+
+def _add_consumers(db_url: str, n: int, *, queue: str, polling: bool) -> None:
+    """``n`` consumer rows of ``queue`` (``polling`` as given) and ``n`` of remote-control
+    queues of their own, as a fleet of ``n`` workers registers them."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO pgskip.consumers (id, hostname, pid, queues, lease_until, polling)"
+            " SELECT gen_random_uuid(), 'fleet', g, ARRAY[%s], now() + interval '1 hour', %s"
+            "   FROM generate_series(1, %s) AS g",
+            (queue, polling, n),
+        )
+        conn.execute(
+            "INSERT INTO pgskip.consumers (id, hostname, pid, queues, lease_until)"
+            " SELECT gen_random_uuid(), 'fleet', g, ARRAY['w' || g || '.celery.pidbox'],"
+            "        now() + interval '1 hour'"
+            "   FROM generate_series(1, %s) AS g",
+            (n,),
+        )
+        conn.execute("ANALYZE pgskip.consumers")
+
+
+def test_the_flags_of_a_large_fleet_are_read_through_the_index(store: Store, db_url: str) -> None:
+    """The read of the flags is one index lookup, not a scan of every consumer row, in the
+    generic plan that prepared statements run (migration 0009). Here 3,000 workers that do not
+    poll consume their own remote-control queue and ``celery``, and the queue looked up has
+    one polling consumer: with ``@>`` alone the generic plan estimated 15 matches and chose a
+    scan that, finding none, read every row."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO pgskip.consumers (id, hostname, pid, queues, lease_until)"
+            " SELECT gen_random_uuid(), 'fleet', g, ARRAY['celery', 'w' || g || '.celery.pidbox'],"
+            "        now() + interval '1 hour'"
+            "   FROM generate_series(1, 3000) AS g"
+        )
+        conn.execute("VACUUM ANALYZE pgskip.consumers")
+    cid = _consumer(store, ["fleet"])
+    store.start_polling([cid])
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        names = ["queue", "status"]
+        text = store.q["announce"].as_string(None)
+        for k, name in enumerate(names, 1):
+            text = text.replace(f"%({name})s", f"${k}")
+        text = text.replace("%(channel)s", "'c'").replace("%(scheduled_channel)s", "'s'")
+        text = text.replace("%(run_at)s", "NULL")
+        conn.execute(f"PREPARE flags(text, text) AS {text}")
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN EXECUTE flags('fleet', 'pending')"))
+    assert "Bitmap Index Scan on consumers_notified" in plan, plan
+
+
+def test_a_large_fleet_is_announced_exactly_as_a_small_one(
+    store: Store, listener: psycopg.Connection[Any], db_url: str, quiet_publishes: list[int]
+) -> None:
+    """With thousands of consumer rows: quiet while they all poll, notified as soon as one of
+    them stops, and a queue nobody consumes is still notified."""
+    _add_consumers(db_url, 1500, queue="fleet", polling=True)
+    for _ in range(6):  # past the point where a prepared statement turns to its generic plan
+        store.publish(_message("fleet"))
+    assert _notes(listener) == []
+    assert len(quiet_publishes) == 5
+    late = _consumer(store, ["fleet"])  # registers not polling
+    store.publish(_message("fleet"))
+    assert _notes(listener) == [(CHANNEL, "fleet")]
+    store.start_polling([late])
+    store.publish(_message("fleet"))
+    store.publish(_message("fleet"))
+    assert _notes(listener) == []
+    for _ in range(6):
+        store.publish(_message("nobody-in-the-fleet"))
+    assert _notes(listener) == [(CHANNEL, "nobody-in-the-fleet")] * 6
