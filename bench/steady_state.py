@@ -55,7 +55,7 @@ def _consumer(
 ) -> list[tuple[float, float, int]]:
     from kombu_pgskip.store import Store
 
-    store = Store(url, check=False)
+    store = Store(url, check=False, keep_completed=kept)
     me = uuid.uuid4()
     store.register_consumer(me, hostname="bench-steady", queues=[QUEUE], lease=300)
     timings: list[tuple[float, float, int]] = []
@@ -66,7 +66,7 @@ def _consumer(
         if not rows:
             time.sleep(0.005)
             continue
-        store.ack([(r.id, r.attempts) for r in rows], me, delete=not kept)
+        store.ack([(r.id, r.attempts) for r in rows], me)
         with done.get_lock():
             done.value += len(rows)
             total = done.value

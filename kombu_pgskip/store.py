@@ -110,6 +110,7 @@ class Store:
         check: bool = True,
         asynchronous_commit: bool = False,
         notify_after_commit: bool = True,
+        keep_completed: bool = True,
         **connect_kwargs: Any,
     ):
         """``asynchronous_commit`` sets ``synchronous_commit = off`` for this connection's
@@ -118,8 +119,14 @@ class Store:
 
         ``notify_after_commit``: a single-message publish sends its NOTIFY in a transaction of
         its own right after the insert's (see :meth:`publish`). Moot with
-        ``asynchronous_commit``, whose commits do not wait for a flush."""
+        ``asynchronous_commit``, whose commits do not wait for a flush.
+
+        ``keep_completed=False`` (the transport option): :meth:`ack` and :meth:`ack_fetch`
+        delete the acknowledged messages instead of marking them completed."""
         self.url = url
+        self._ack, self._ack_fetch = (
+            ("ack", "ack_fetch") if keep_completed else ("ack_delete", "ack_delete_fetch")
+        )
         self._asynchronous_commit = asynchronous_commit
         self._notify_after_commit = (
             notify_after_commit and not asynchronous_commit and psycopg.Pipeline.is_supported()
@@ -521,13 +528,11 @@ class Store:
         queues: Sequence[str],
         limit: int,
         consumer: uuid.UUID,
-        *,
-        delete: bool = False,
     ) -> tuple[int, list[FetchedRow]]:
         """:meth:`ack` and :meth:`fetch` in one statement: (acks still ours, messages taken)."""
         ids, attempts = _split(tags)
         rows = self.execute(
-            "ack_delete_fetch" if delete else "ack_fetch",
+            self._ack_fetch,
             {
                 "ids": ids,
                 "attempts": attempts,
@@ -540,14 +545,12 @@ class Store:
         acked = int(rows[0][0]) if rows else 0
         return acked, fetched_rows([r[1:9] for r in rows if r[1] is not None])
 
-    def ack(
-        self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID, *, delete: bool = False
-    ) -> int:
-        """Mark (id, attempt) pairs completed, or with ``delete`` delete them (the transport
-        option ``keep_completed=False``); returns how many were still ours."""
+    def ack(self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID) -> int:
+        """Mark (id, attempt) pairs completed (or delete them: ``keep_completed=False``);
+        returns how many were still ours."""
         ids, attempts = _split(tags)
         params = {"ids": ids, "attempts": attempts, "consumer": consumer}
-        return len(self.execute("ack_delete" if delete else "ack", params))
+        return len(self.execute(self._ack, params))
 
     def requeue(
         self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID, *, max_attempts: int

@@ -903,11 +903,7 @@ class Channel(virtual.Channel):
                 return []  # the rows arrive with the reply (Transport._on_fetch_readable)
             with self._acks_kept_if_unwritten(pairs):
                 done, rows = self.consumer_store.ack_fetch(
-                    pairs,
-                    ack_queues,
-                    limit - len(out),
-                    self.consumer_id,
-                    delete=not self.options.keep_completed,
+                    pairs, ack_queues, limit - len(out), self.consumer_id
                 )
             self._acks_written(len(pairs), done)
             out += rows
@@ -1011,9 +1007,7 @@ class Channel(virtual.Channel):
         if not pairs:
             return 0
         with self._acks_kept_if_unwritten(pairs):
-            done = (store or self.connection.consumer_store).ack(
-                pairs, self.consumer_id, delete=not self.options.keep_completed
-            )
+            done = (store or self.connection.consumer_store).ack(pairs, self.consumer_id)
         self._acks_written(len(pairs), done)
         return len(pairs)
 
@@ -1077,7 +1071,7 @@ class Channel(virtual.Channel):
         pairs = [parse_tag(t) for t in tags]
         store = self.consumer_store
         if how == "ack":
-            done = store.ack(pairs, self.consumer_id, delete=not self.options.keep_completed)
+            done = store.ack(pairs, self.consumer_id)
         elif how == "requeue":
             done, failed = store.requeue(
                 pairs, self.consumer_id, max_attempts=self.options.max_attempts
@@ -1166,6 +1160,7 @@ class _Heartbeat(threading.Thread):
             transport.url,
             schema=transport.options.schema,
             check=False,
+            keep_completed=transport.options.keep_completed,  # it writes acks (flush_acks)
             **transport.options.connect_kwargs,
         )
         self.horizon = HorizonMonitor(self.store, transport.options.xmin_horizon_warning)
@@ -1367,6 +1362,7 @@ class Transport(virtual.Transport):
             schema=self.options.schema,
             check=self.options.check_schema,
             asynchronous_commit=not self.options.synchronous_acks,
+            keep_completed=self.options.keep_completed,
             **self.options.connect_kwargs,
         )
 

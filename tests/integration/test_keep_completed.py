@@ -125,7 +125,7 @@ def test_rejected_and_requeued_messages_are_kept(db_url: str) -> None:
 
 
 def test_an_ack_from_a_consumer_that_lost_the_message_deletes_nothing(db_url: str) -> None:
-    store = Store(db_url)
+    store = Store(db_url, keep_completed=False)
     try:
         store.declare_queue("kc_fenced")
         store.publish(NewMessage("kc_fenced", 0, "pending", None, "{}", None, None, None))
@@ -133,10 +133,10 @@ def test_an_ack_from_a_consumer_that_lost_the_message_deletes_nothing(db_url: st
         for who in (me, other):
             store.register_consumer(who, hostname="test", queues=["kc_fenced"], lease=30)
         (row,) = store.fetch(["kc_fenced"], 10, me)
-        assert store.ack([(row.id, row.attempts)], other, delete=True) == 0
-        assert store.ack([(row.id, row.attempts + 1)], me, delete=True) == 0
+        assert store.ack([(row.id, row.attempts)], other) == 0
+        assert store.ack([(row.id, row.attempts + 1)], me) == 0
         assert _counts(db_url) == {"running": 1}
-        done, rows = store.ack_fetch([(row.id, row.attempts)], ["kc_fenced"], 10, me, delete=True)
+        done, rows = store.ack_fetch([(row.id, row.attempts)], ["kc_fenced"], 10, me)
         assert (done, rows) == (1, [])
         assert _counts(db_url) == {}
     finally:
