@@ -40,6 +40,8 @@ WORKER_PRIVILEGES: tuple[Privilege, ...] = (
     ("exchanges", ALL_ROWS, ()),
     ("bindings", ALL_ROWS, ()),
     ("consumers", ALL_ROWS, ()),
+    # Kept by triggers on consumers as its owner (migration 0010); read by every publish.
+    ("consumer_queues", "SELECT", ()),
     ("migrations", "SELECT", ()),
     # The guard of a remembered route (migration 0005); triggers bump it as its owner.
     ("routing_epoch", "SELECT", ()),
@@ -52,6 +54,7 @@ PUBLISHER_PRIVILEGES: tuple[Privilege, ...] = (
     ("exchanges", "SELECT, INSERT, UPDATE", ()),
     ("bindings", "SELECT, INSERT, UPDATE", ()),
     ("consumers", "SELECT", ()),
+    ("consumer_queues", "SELECT", ()),
     ("migrations", "SELECT", ()),
     ("routing_epoch", "SELECT", ()),
 )

@@ -37,10 +37,12 @@ i AS ({@insert_one}
 SELECT i.id
   FROM i;
 
--- wanted: (fragment, included as {@wanted} in a condition over a CTE i with the queue) whether a pending message of queue i.queue is to be notified: unless every consumer row of the queue says it polls (migration 0008), that is when one of them does not poll or there is none. The first half is one lookup of the GIN index of consumers that do not poll (migration 0009); @> uses it, and the redundant && keeps a prepared statement's generic plan on it (with the default estimate for @> alone, 15 matches in 3,000 rows, it expects an EXISTS to stop early in a scan, and scans all). The second half runs only when the first finds none, and stops at the first consumer of the queue. Read after the message's commit (announce, announce_many: a consumer that stops polling clears its flag, then fetches), or under quiet_lock
-(EXISTS (SELECT 1 FROM {schema}.consumers AS c
-          WHERE NOT c.polling AND c.queues @> ARRAY[i.queue]::text[] AND c.queues && ARRAY[i.queue]::text[])
- OR NOT EXISTS (SELECT 1 FROM {schema}.consumers AS c WHERE i.queue = ANY (c.queues)))
+-- wanted: (fragment, included as {@wanted} in a condition over a CTE i with the queue) whether a pending message of queue i.queue is to be notified: unless every consumer of the queue says it polls (migration 0008), that is when one of them does not poll or there is none. One probe of consumer_queues' index on (queue, polling) (migration 0010): the queue's first entry in that order is a consumer that does not poll if there is one, and there is none when nobody consumes the queue; however many consumers the schema has. Read after the message's commit (announce, announce_many: a consumer that stops polling clears its flag, then fetches), or under quiet_lock
+COALESCE((SELECT NOT cq.polling
+            FROM {schema}.consumer_queues AS cq
+           WHERE cq.queue = i.queue
+           ORDER BY cq.polling
+           LIMIT 1), true)
 
 -- quiet_lock: the first statement of a quiet publish (insert_message_quiet, insert_remembered_quiet), in its transaction: the queue's advisory lock (this schema's channel, the queue) in shared mode, which stop_polling takes exclusively: a consumer that stops polling waits for the quiet publishes that may have read its flag before it was cleared. The flag is read by the next statement, whose snapshot is taken after the lock
 SELECT pg_advisory_xact_lock_shared(hashtext(%(channel)s), hashtext(%(queue)s));

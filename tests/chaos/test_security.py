@@ -47,7 +47,16 @@ EVIL = [
     "%(queue)s %s {schema} {} $1 :name",
     "ü🚀 ' \" ; -- é",
 ]
-TABLES = ("jobs", "queues", "exchanges", "bindings", "consumers", "migrations", "beat_entries")
+TABLES = (
+    "jobs",
+    "queues",
+    "exchanges",
+    "bindings",
+    "consumers",
+    "consumer_queues",
+    "migrations",
+    "beat_entries",
+)
 
 
 def assert_tables_intact(db_url: str) -> None:

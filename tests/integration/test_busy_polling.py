@@ -416,12 +416,29 @@ def _add_consumers(db_url: str, n: int, *, queue: str, polling: bool) -> None:
         conn.execute("ANALYZE pgskip.consumers")
 
 
-def test_the_flags_of_a_large_fleet_are_read_through_the_index(store: Store, db_url: str) -> None:
-    """The read of the flags is one index lookup, not a scan of every consumer row, in the
-    generic plan that prepared statements run (migration 0009). Here 3,000 workers that do not
-    poll consume their own remote-control queue and ``celery``, and the queue looked up has
-    one polling consumer: with ``@>`` alone the generic plan estimated 15 matches and chose a
-    scan that, finding none, read every row."""
+def _generic_plan(store: Store, db_url: str, statement: str, queue: str) -> str:
+    """The generic plan of ``statement`` (``announce`` or ``announce_unchecked``), prepared,
+    for a pending message of ``queue``."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        text = store.q[statement].as_string(None)
+        for k, name in enumerate(["queue", "status"], 1):
+            text = text.replace(f"%({name})s", f"${k}")
+        text = text.replace("%(channel)s", "'c'").replace("%(scheduled_channel)s", "'s'")
+        text = text.replace("%(run_at)s", "NULL")
+        conn.execute(f"PREPARE flags(text, text) AS {text}")
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        rows = conn.execute(f"EXPLAIN EXECUTE flags({queue!r}, 'pending')")
+        return "\n".join(r[0] for r in rows)
+
+
+def test_the_flags_of_a_large_fleet_are_read_with_one_index_probe(
+    store: Store, db_url: str
+) -> None:
+    """The read of the flags is one probe of consumer_queues' (queue, polling) index (migration
+    0010), not a scan of consumers, in the generic plan that prepared statements run. Here
+    3,000 workers that do not poll consume ``celery`` and their own remote-control queue, and
+    the queue looked up has one consumer, registered last, which polls: before 0010 finding
+    it scanned every consumer row."""
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO pgskip.consumers (id, hostname, pid, queues, lease_until)"
@@ -429,20 +446,60 @@ def test_the_flags_of_a_large_fleet_are_read_through_the_index(store: Store, db_
             "        now() + interval '1 hour'"
             "   FROM generate_series(1, 3000) AS g"
         )
-        conn.execute("VACUUM ANALYZE pgskip.consumers")
     cid = _consumer(store, ["fleet"])
     store.start_polling([cid])
     with psycopg.connect(db_url, autocommit=True) as conn:
-        names = ["queue", "status"]
-        text = store.q["announce"].as_string(None)
-        for k, name in enumerate(names, 1):
-            text = text.replace(f"%({name})s", f"${k}")
-        text = text.replace("%(channel)s", "'c'").replace("%(scheduled_channel)s", "'s'")
-        text = text.replace("%(run_at)s", "NULL")
-        conn.execute(f"PREPARE flags(text, text) AS {text}")
-        conn.execute("SET plan_cache_mode = force_generic_plan")
-        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN EXECUTE flags('fleet', 'pending')"))
-    assert "Bitmap Index Scan on consumers_notified" in plan, plan
+        conn.execute("VACUUM ANALYZE pgskip.consumers, pgskip.consumer_queues")
+    # announce's plan; the quiet inserts and announce_many include the same fragment.
+    plan = _generic_plan(store, db_url, "announce", "fleet")
+    assert "consumer_queues_by_queue" in plan, plan
+    assert "Seq Scan" not in plan, plan
+
+
+def test_consumer_queues_follow_every_change_to_consumers(store: Store, db_url: str) -> None:
+    """consumer_queues, which publishes read, holds exactly each consumer's queues and flag
+    through registration, re-registration with other queues, the polling statements, the
+    heartbeat, leaving, the sweep and TRUNCATE (its triggers, migration 0010)."""
+
+    def rows() -> set[tuple[str, str, bool]]:
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            mirrored = set(
+                conn.execute(
+                    "SELECT consumer::text, queue, polling FROM pgskip.consumer_queues"
+                ).fetchall()
+            )
+            expected = set(
+                conn.execute(
+                    "SELECT DISTINCT c.id::text, q, c.polling"
+                    "  FROM pgskip.consumers AS c, unnest(c.queues) AS q"
+                ).fetchall()
+            )
+        assert mirrored == expected
+        return mirrored
+
+    a, b = _consumer(store, ["qa", "qb", "qa"]), _consumer(store, ["qb"])
+    assert rows() == {(str(a), "qa", False), (str(a), "qb", False), (str(b), "qb", False)}
+    store.start_polling([a, b])
+    assert rows() == {(str(a), "qa", True), (str(a), "qb", True), (str(b), "qb", True)}
+    assert store.stop_polling([b])
+    assert (str(b), "qb", False) in rows()
+    store.register_consumer(a, hostname="test", queues=["qc"], lease=60)  # re-registers
+    assert rows() == {(str(a), "qc", False), (str(b), "qb", False)}
+    store.start_polling([a])
+    store.renew_consumers([a], 60, polling=True)
+    assert (str(a), "qc", True) in rows()
+    store.renew_consumers([a], 60)  # a heartbeat of a consumer that no longer polls
+    assert (str(a), "qc", False) in rows()
+    store.unregister_consumer(b)
+    assert rows() == {(str(a), "qc", False)}
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("UPDATE pgskip.consumers SET lease_until = now() - interval '1 s'")
+    store.sweep(max_attempts=5)
+    assert rows() == set()
+    _consumer(store, ["qd"])
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("TRUNCATE pgskip.consumers")
+    assert rows() == set()
 
 
 def test_a_large_fleet_is_announced_exactly_as_a_small_one(

@@ -185,8 +185,8 @@ def test_every_routing_change_moves_the_epoch(db_url: str) -> None:
 
 
 def test_an_upgraded_publisher_role_may_read_the_epoch(empty_db_url: str) -> None:
-    """Migration 0005 grants the epoch to every role that could publish before it, so an
-    upgrade needs no second `pgskip grant`."""
+    """Migration 0005 grants the epoch, and 0010 consumer_queues, to every role that could
+    publish before them, so an upgrade needs no second `pgskip grant`."""
     migrations = load_migrations()
     role = f"pub_{uuid.uuid4().hex[:8]}"
     ident = sql.Identifier(role)
@@ -210,7 +210,7 @@ def test_an_upgraded_publisher_role_may_read_the_epoch(empty_db_url: str) -> Non
                         (m.version, m.name, m.checksum),
                     )
                 for table, privileges, columns in PUBLISHER_PRIVILEGES:
-                    if table == "routing_epoch":
+                    if table in ("routing_epoch", "consumer_queues"):  # 0005, 0010
                         continue
                     cols = (
                         sql.SQL("({})").format(sql.SQL(", ").join(map(sql.Identifier, columns)))
@@ -227,6 +227,7 @@ def test_an_upgraded_publisher_role_may_read_the_epoch(empty_db_url: str) -> Non
             with conn.transaction():
                 conn.execute(sql.SQL("SET LOCAL ROLE {}").format(ident))
                 assert conn.execute("SELECT n FROM pgskip.routing_epoch").fetchone() is not None
+                assert conn.execute("SELECT count(*) FROM pgskip.consumer_queues").fetchone()
         finally:
             conn.execute(sql.SQL("DROP OWNED BY {}").format(ident))
             conn.execute(sql.SQL("DROP ROLE {}").format(ident))
