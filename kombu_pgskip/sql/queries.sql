@@ -375,8 +375,9 @@ SELECT EXISTS (
      WHERE q.name = %(name)s
        AND (q.expires IS NULL
             OR q.last_used_at + q.expires * interval '1 millisecond' > now()
-            OR EXISTS (SELECT 1 FROM {schema}.consumers AS c
-                        WHERE q.name = ANY (c.queues) AND c.lease_until > now()))
+            OR EXISTS (SELECT 1 FROM {schema}.consumer_queues AS cq
+                          JOIN {schema}.consumers AS c ON c.id = cq.consumer
+                        WHERE cq.queue = q.name AND c.lease_until > now()))
 );
 
 -- delete_queue: drop a queue and its waiting messages; returns how many messages went
@@ -455,8 +456,9 @@ SELECT b.queue
                    ELSE false END
    AND (q.expires IS NULL
         OR q.last_used_at + q.expires * interval '1 millisecond' > now()
-        OR EXISTS (SELECT 1 FROM {schema}.consumers AS c
-                    WHERE q.name = ANY (c.queues) AND c.lease_until > now()))
+        OR EXISTS (SELECT 1 FROM {schema}.consumer_queues AS cq
+                      JOIN {schema}.consumers AS c ON c.id = cq.consumer
+                    WHERE cq.queue = q.name AND c.lease_until > now()))
  ORDER BY b.queue;
 
 -- declare_exchange: create an exchange or refresh its type and flags (the last declaration wins)
@@ -498,8 +500,9 @@ SELECT routing_key, pattern, queue FROM {schema}.bindings WHERE exchange = %(exc
 WITH gone AS (
     DELETE FROM {schema}.queues AS q
      WHERE q.name = ANY(%(names)s::text[]) AND q.auto_delete
-       AND NOT EXISTS (SELECT 1 FROM {schema}.consumers AS c
-                        WHERE c.id <> %(consumer)s AND q.name = ANY (c.queues)
+       AND NOT EXISTS (SELECT 1 FROM {schema}.consumer_queues AS cq
+                          JOIN {schema}.consumers AS c ON c.id = cq.consumer
+                        WHERE cq.queue = q.name AND cq.consumer <> %(consumer)s
                           AND c.lease_until > now())
     RETURNING q.name
 ), d AS (

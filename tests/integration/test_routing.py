@@ -141,6 +141,7 @@ def test_a_consumed_queue_does_not_expire_while_its_consumer_lives(
         with contextlib.suppress(TimeoutError):
             conn.drain_events(timeout=0.5)  # registers the consumer (its lease)
         time.sleep(0.4)
+        assert conn.default_channel._has_queue("consumed.live")
         assert conn.default_channel.store.expire_queues() == (0, 0)
         Producer(conn.default_channel).publish({"x": 1}, exchange=box, declare=[box])
         assert _jobs(db_url) == [("consumed.live", "pending")]
@@ -161,6 +162,23 @@ def test_auto_delete_queue_goes_when_its_last_consumer_cancels(
     assert "ad.q" not in _queues(db_url)
     Producer(conn.default_channel).publish({"x": 1}, exchange=ex, declare=[ex])
     assert _jobs(db_url) == []
+
+
+def test_auto_delete_queue_stays_while_another_consumer_consumes_it(
+    connections: Any, db_url: str
+) -> None:
+    first, second = connections(), connections()
+    ex = Exchange("ad2", type="fanout", durable=False)
+    queue = Queue("ad2.q", ex, auto_delete=True)
+    consumers = [Consumer(c, [queue], no_ack=True, accept=["json"]) for c in (first, second)]
+    for c, consumer in zip((first, second), consumers, strict=True):
+        consumer.consume()
+        with pytest.raises(TimeoutError):
+            c.drain_events(timeout=0.3)
+    consumers[0].cancel()
+    assert "ad2.q" in _queues(db_url)
+    consumers[1].cancel()
+    assert "ad2.q" not in _queues(db_url)
 
 
 def test_message_ttl_of_a_queue_and_of_a_message(connections: Any, db_url: str) -> None:
