@@ -18,9 +18,6 @@
 -- is a consumer that does not poll if there is one; none means nobody consumes it. One descent
 -- of a b-tree, however many workers there are. A lease renewal changes neither column and
 -- fires nothing (the WHEN clause); a flag change rewrites the consumer's few rows here.
--- The liveness checks of queues with x-expires or auto_delete (kombu_pgskip/sql/queries.sql:
--- has_queue, publish_routed, delete_unused_queues; expire_queues() below) find a queue's
--- consumers through it too, instead of asking every consumer row.
 CREATE TABLE consumer_queues (
     consumer  uuid NOT NULL,
     queue     text NOT NULL,
@@ -73,27 +70,6 @@ INSERT INTO consumer_queues (consumer, queue, polling)
 SELECT DISTINCT c.id, q.queue, c.polling
   FROM consumers AS c, unnest(c.queues) AS q(queue)
  WHERE q.queue IS NOT NULL;
-
--- expire_queues() (migration 0003) finds a queue's live consumers the same way: it asked
--- every consumer row for each expired queue.
-CREATE OR REPLACE FUNCTION expire_queues(OUT queues bigint, OUT messages bigint)
-LANGUAGE sql SET search_path FROM CURRENT AS $$
-    WITH gone AS (
-        DELETE FROM queues AS q
-         WHERE q.expires IS NOT NULL
-           AND q.last_used_at + q.expires * interval '1 millisecond' <= now()
-           AND NOT EXISTS (SELECT 1 FROM consumer_queues AS cq
-                             JOIN consumers AS c ON c.id = cq.consumer
-                            WHERE cq.queue = q.name AND c.lease_until > now())
-        RETURNING q.name
-    ), dropped AS (
-        DELETE FROM jobs AS j
-         USING gone
-         WHERE j.queue = gone.name AND j.status IN ('pending', 'scheduled')
-        RETURNING 1
-    )
-    SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM dropped)
-$$;
 
 -- Nothing reads it any more.
 DROP INDEX IF EXISTS consumers_notified;
