@@ -40,6 +40,16 @@
    the time from publish to the consumer's callback (p50, p99), and how many of the notified
    fetches took nothing.
 
+7. A publish beside a large fleet (``--fleet`` runs only this): wall time per
+   ``Store.publish`` (the publish path without kombu; ``synchronous_commit=off`` on its
+   connection, so that the figure is the statements' and not the disk's) with the consumer rows
+   of a fleet of workers of ``--fleet-sizes`` (default 1,1000,3000; each worker has a row for
+   ``celery`` and one for its own remote-control queue), for four shapes: a queue whose two
+   consumers, registered after the fleet, poll, beside a fleet idle on ``celery`` and beside
+   one polling it; and ``celery`` itself, with the fleet idle (announced) and polling (quiet).
+   Medians of 5 rounds of 1,000 after 50. Measures how a publish's read of its queue's polling
+   flags grows with the number of workers (migrations 0009, 0010).
+
 It runs its own EmbeddedPostgres (fsync on) with ``pg_stat_statements`` preloaded.
 """
 
@@ -531,6 +541,72 @@ def _cooldowns(text: str) -> tuple[Cooldown, ...]:
     return tuple(out)
 
 
+FLEET_SHAPES: dict[str, tuple[str, bool, bool | None]] = {
+    # name: (queue published to, the fleet polls celery, the queue's own two consumers poll)
+    "reports_beside_idle_fleet": ("reports", False, True),
+    "reports_beside_polling_fleet": ("reports", True, True),
+    "celery_fleet_idle": ("celery", False, None),
+    "celery_fleet_polling": ("celery", True, None),
+}
+
+
+def fleet(
+    url: str, *, sizes: tuple[int, ...] = (1, 1000, 3000), rounds: int = 5, n: int = 1000
+) -> dict[str, Any]:
+    """Wall time per ``Store.publish`` (us) by fleet shape and size (part 7)."""
+    import uuid
+
+    from kombu_pgskip.store import NewMessage, Store
+
+    out: dict[str, Any] = {"rounds": rounds, "calls_per_round": n}
+    with psycopg.connect(url, autocommit=True) as admin:
+        for name, (queue, fleet_polls, own_poll) in FLEET_SHAPES.items():
+            out[name] = {}
+            for size in sizes:
+                admin.execute("DELETE FROM pgskip.consumers")
+                admin.execute("DELETE FROM pgskip.jobs")
+                admin.execute(
+                    "INSERT INTO pgskip.consumers (id, hostname, pid, queues, lease_until, polling)"
+                    " SELECT gen_random_uuid(), 'fleet', g, ARRAY['celery', 'w' || g || '.pidbox'],"
+                    "        now() + interval '1 hour', %s"
+                    "   FROM generate_series(1, %s) AS g",
+                    (fleet_polls, size),
+                )
+                store = Store(url, check=False, options="-c synchronous_commit=off")
+                try:
+                    if own_poll is not None:
+                        own = [uuid.uuid4(), uuid.uuid4()]
+                        for cid in own:
+                            store.register_consumer(cid, hostname="own", queues=[queue], lease=600)
+                        if own_poll:
+                            store.start_polling(own)
+                    for (table,) in admin.execute(
+                        "SELECT c.oid::regclass::text FROM pg_class AS c"
+                        " WHERE c.relnamespace = 'pgskip'::regnamespace AND c.relkind = 'r'"
+                        "   AND c.relname LIKE 'consumer%%'"
+                    ).fetchall():
+                        admin.execute(f"VACUUM ANALYZE {table}")
+                    message = NewMessage(queue, 0, "pending", None, '{"x": 1}', "t", "x", None)
+                    for _ in range(50):
+                        store.publish(message)
+                    per_round = []
+                    for _ in range(rounds):
+                        t0 = time.perf_counter()
+                        for _ in range(n):
+                            store.publish(message)
+                        per_round.append(1e6 * (time.perf_counter() - t0) / n)
+                finally:
+                    store.close()
+                out[name][str(size)] = {
+                    "publish_us": round(median(per_round) or 0.0, 1),
+                    "rounds_us": [round(x, 1) for x in per_round],
+                }
+                log(f"fleet {name}, {size} workers: {out[name][str(size)]['publish_us']} us")
+        admin.execute("DELETE FROM pgskip.consumers")
+        admin.execute("DELETE FROM pgskip.jobs")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from kombu_pgskip import migrate
     from kombu_pgskip.embedded import EmbeddedPostgres
@@ -571,6 +647,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--blocking-rate", type=float, default=500.0, help="messages/s for --blocking"
     )
+    parser.add_argument(
+        "--fleet", action="store_true", help="only a publish beside a large fleet (part 7)"
+    )
+    parser.add_argument(
+        "--fleet-sizes",
+        type=lambda text: tuple(int(x) for x in text.split(",")),
+        default=(1, 1000, 3000),
+        help="workers in the fleet for --fleet, each in turn (default 1,1000,3000)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -599,8 +684,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         conn = psycopg.connect(url, autocommit=True)
         conn.execute("CREATE EXTENSION pg_stat_statements")
-        if args.publish_cpu or args.fetch_plans or args.e2e_cpu or args.blocking:
+        if args.publish_cpu or args.fetch_plans or args.e2e_cpu or args.blocking or args.fleet:
             report = {}
+            if args.fleet:
+                report["fleet"] = fleet(url, sizes=args.fleet_sizes)
             if args.publish_cpu:
                 report["publish_cpu"] = publish_cpu(broker)
             if args.fetch_plans:
