@@ -607,6 +607,11 @@ def fleet(
     return out
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of counts (``1,3,6``)."""
+    return tuple(int(x) for x in text.split(","))
+
+
 def main(argv: list[str] | None = None) -> int:
     from kombu_pgskip import migrate
     from kombu_pgskip.embedded import EmbeddedPostgres
@@ -640,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--blocking-consumers",
-        type=lambda text: tuple(int(x) for x in text.split(",")),
+        type=_ints,
         default=(1, 3, 6),
         help="consumer processes for --blocking, each count in turn (default 1,3,6)",
     )
@@ -652,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--fleet-sizes",
-        type=lambda text: tuple(int(x) for x in text.split(",")),
+        type=_ints,
         default=(1, 1000, 3000),
         help="workers in the fleet for --fleet, each in turn (default 1,1000,3000)",
     )
