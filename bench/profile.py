@@ -580,6 +580,8 @@ def fleet(
                             store.register_consumer(cid, hostname="own", queues=[queue], lease=600)
                         if own_poll:
                             store.start_polling(own)
+                    # consumers, and consumer_queues where the schema has it (an A/B
+                    # against code from before migration 0010 runs this same function).
                     for (table,) in admin.execute(
                         "SELECT c.oid::regclass::text FROM pg_class AS c"
                         " WHERE c.relnamespace = 'pgskip'::regnamespace AND c.relkind = 'r'"

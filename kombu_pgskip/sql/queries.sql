@@ -369,15 +369,18 @@ ON CONFLICT (name) DO UPDATE
        arguments = EXCLUDED.arguments, max_priority = EXCLUDED.max_priority,
        message_ttl = EXCLUDED.message_ttl, expires = EXCLUDED.expires, last_used_at = now();
 
+-- live: (fragment, included as {@live} in a condition over a row q of queues) whether queue q is live: it has no x-expires, was used within it, or a consumer whose lease holds consumes it (found through consumer_queues, migration 0010; publish_routed writes the same test over its own CTE with a scan of consumers, which keeps that per-message statement on its generic plan)
+(q.expires IS NULL
+ OR q.last_used_at + q.expires * interval '1 millisecond' > now()
+ OR EXISTS (SELECT 1 FROM {schema}.consumer_queues AS cq
+              JOIN {schema}.consumers AS c ON c.id = cq.consumer
+             WHERE cq.queue = q.name AND c.lease_until > now()))
+
 -- has_queue: is the queue declared (and not expired)
 SELECT EXISTS (
     SELECT 1 FROM {schema}.queues AS q
      WHERE q.name = %(name)s
-       AND (q.expires IS NULL
-            OR q.last_used_at + q.expires * interval '1 millisecond' > now()
-            OR EXISTS (SELECT 1 FROM {schema}.consumer_queues AS cq
-                          JOIN {schema}.consumers AS c ON c.id = cq.consumer
-                        WHERE cq.queue = q.name AND c.lease_until > now()))
+       AND {@live}
 );
 
 -- delete_queue: drop a queue and its waiting messages; returns how many messages went
@@ -454,11 +457,7 @@ SELECT b.queue
                    WHEN 'topic' THEN %(routing_key)s ~ b.pattern
                    WHEN 'direct' THEN b.routing_key = %(routing_key)s
                    ELSE false END
-   AND (q.expires IS NULL
-        OR q.last_used_at + q.expires * interval '1 millisecond' > now()
-        OR EXISTS (SELECT 1 FROM {schema}.consumer_queues AS cq
-                      JOIN {schema}.consumers AS c ON c.id = cq.consumer
-                    WHERE cq.queue = q.name AND c.lease_until > now()))
+   AND {@live}
  ORDER BY b.queue;
 
 -- declare_exchange: create an exchange or refresh its type and flags (the last declaration wins)

@@ -416,11 +416,10 @@ def _add_consumers(db_url: str, n: int, *, queue: str, polling: bool) -> None:
         conn.execute("ANALYZE pgskip.consumers")
 
 
-def _generic_plan(store: Store, db_url: str, statement: str, queue: str) -> str:
-    """The generic plan of ``statement`` (``announce`` or ``announce_unchecked``), prepared,
-    for a pending message of ``queue``."""
+def _announce_plan(store: Store, db_url: str, queue: str) -> str:
+    """The generic plan of ``announce``, prepared, for a pending message of ``queue``."""
     with psycopg.connect(db_url, autocommit=True) as conn:
-        text = store.q[statement].as_string(None)
+        text = store.q["announce"].as_string(None)
         for k, name in enumerate(["queue", "status"], 1):
             text = text.replace(f"%({name})s", f"${k}")
         text = text.replace("%(channel)s", "'c'").replace("%(scheduled_channel)s", "'s'")
@@ -451,7 +450,7 @@ def test_the_flags_of_a_large_fleet_are_read_with_one_index_probe(
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("VACUUM ANALYZE pgskip.consumers, pgskip.consumer_queues")
     # announce's plan; the quiet inserts and announce_many include the same fragment.
-    plan = _generic_plan(store, db_url, "announce", "fleet")
+    plan = _announce_plan(store, db_url, "fleet")
     assert "consumer_queues_by_queue" in plan, plan
     assert "Seq Scan" not in plan, plan
 
