@@ -396,14 +396,14 @@ class Store:
             with conn.pipeline(), conn.transaction():
                 for chunk in stream_chunks(messages):
                     cursor = conn.cursor()
-                    cursor.execute(query, {"rows": _json_rows(chunk), **self._channels})
+                    cursor.execute(query, {**_many_params(chunk), **self._channels})
                     cursors.append(cursor)
             return [int(r[0]) for cursor in cursors for r in cursor.fetchall()]
 
     def _publish_chunk(
         self, messages: Sequence[NewMessage], statement: str = "publish_many"
     ) -> list[int]:
-        params = {"rows": _json_rows(messages), **self._channels}
+        params = {**_many_params(messages), **self._channels}
         return [int(r[0]) for r in self.execute(statement, params)]
 
     def publish_routed(
@@ -795,9 +795,15 @@ def stream_chunks(messages: Iterable[NewMessage]) -> Iterator[list[NewMessage]]:
         yield chunk
 
 
-def _json_rows(messages: Sequence[NewMessage]) -> str:
-    """``messages`` as the JSON array ``publish_many`` reads; payloads (already JSON) are
-    embedded as they are, not encoded again."""
+#: Separates the payloads in ``publish_many``'s statement: JSON text cannot hold U+001E
+#: unescaped (a control character is escaped inside strings and not allowed outside them).
+PAYLOAD_SEPARATOR = "\x1e"
+
+
+def _many_params(messages: Sequence[NewMessage]) -> dict[str, str]:
+    """The parameters of ``publish_many``'s statement for ``messages``: their columns as one
+    JSON array (``rows``), their payloads (already JSON) as one text split by the server
+    (``payloads``)."""
     dump = json.dumps
     queues: dict[str, str] = {}
     parts = []
@@ -812,9 +818,16 @@ def _json_rows(messages: Sequence[NewMessage]) -> str:
         parts.append(
             f'{{"queue":{queue},"priority":{int(m.priority)},"status":"{m.status}",'
             f'"run_at":{run_at},"task_name":{task_name},"task_id":{task_id},'
-            f'"ttl_ms":{ttl_ms},"payload":{m.payload}}}'
+            f'"ttl_ms":{ttl_ms}}}'
         )
-    return "[" + ",".join(parts) + "]"
+    payloads = PAYLOAD_SEPARATOR.join([m.payload for m in messages])
+    if payloads.count(PAYLOAD_SEPARATOR) != len(parts) - 1:
+        raise exceptions.ConfigurationError(
+            "a message payload holds the control character U+001E, which JSON text cannot "
+            "hold unescaped: payloads must be JSON (as kombu-pgskip's envelope writes them); "
+            "nothing was written"
+        )
+    return {"rows": "[" + ",".join(parts) + "]", "payloads": payloads}
 
 
 def _split(tags: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:

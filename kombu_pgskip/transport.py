@@ -469,16 +469,21 @@ class Channel(virtual.Channel):
         """The rows of buffered publishes, routed: through an exchange, once per (exchange,
         routing key), to the queues bound by every process plus this process's own."""
         routes: dict[tuple[str, str], list[str]] = {}
+        targets_of: dict[tuple[str, str, tuple[str, ...]], list[str]] = {}
         for item in collected:
             if item.exchange is None:
                 yield item.row
                 continue
-            key = (item.exchange, item.routing_key)
-            if key not in routes:
-                routes[key] = self.store.route(*key)
-            targets = sorted({*item.local, *routes[key]})
-            if not targets and self.deadletter_queue:
-                targets = [self.deadletter_queue]
+            by = (item.exchange, item.routing_key, item.local)
+            targets = targets_of.get(by)
+            if targets is None:
+                key = (item.exchange, item.routing_key)
+                if key not in routes:
+                    routes[key] = self.store.route(*key)
+                targets = sorted({*item.local, *routes[key]})
+                if not targets and self.deadletter_queue:
+                    targets = [self.deadletter_queue]
+                targets_of[by] = targets
             row = item.row
             for queue in targets:
                 yield row.to(queue)

@@ -108,9 +108,9 @@ def test_publish_many_rows_equal_those_of_publish_one_by_one(
 ) -> None:
     text = options.get("content_type") == "text/plain"
     bodies: list[Any] = (
-        [f"line {i} ünïcode" for i in range(5)]
+        [f"line {i} ünïcode \x1e" for i in range(5)]
         if text
-        else [{"i": i, "text": f"message {i} — ' \" ;"} for i in range(5)]
+        else [{"i": i, "text": f"message {i} — ' \" ; \x1e"} for i in range(5)]
     )
     queue = Queue("alike", Exchange("alike-x"), "alike")
     with Connection(broker_url(db_url)) as conn:
@@ -258,18 +258,19 @@ def test_many_chunks_are_still_all_or_nothing(
         # The fifth statement fails in the server (its rows are not valid JSON), after four
         # chunks were written in the same transaction: the four are rolled back with it.
         calls = {"n": 0}
-        real = kombu_pgskip.store._json_rows
+        real = kombu_pgskip.store._many_params
 
-        def failing(messages: Any) -> str:
+        def failing(messages: Any) -> dict[str, str]:
             calls["n"] += 1
-            return "[{not json" if calls["n"] == 5 else real(messages)
+            params = real(messages)
+            return {**params, "rows": "[{not json"} if calls["n"] == 5 else params
 
-        monkeypatch.setattr(kombu_pgskip.store, "_json_rows", failing)
+        monkeypatch.setattr(kombu_pgskip.store, "_many_params", failing)
         with pytest.raises(psycopg.errors.InvalidTextRepresentation):
             write(producer, range(30), exchange=queue.exchange, routing_key="chunks")
         assert calls["n"] == 5
         # The connection is usable afterwards.
-        monkeypatch.setattr(kombu_pgskip.store, "_json_rows", real)
+        monkeypatch.setattr(kombu_pgskip.store, "_many_params", real)
         assert len(write(producer, range(3), exchange=queue.exchange, routing_key="chunks")) == 3
     assert len(jobs(db_url)) == 33  # only the first call's and the last call's
 
