@@ -821,7 +821,7 @@ def _many_params(messages: Sequence[NewMessage]) -> dict[str, str]:
             f'"ttl_ms":{ttl_ms}}}'
         )
     payloads = PAYLOAD_SEPARATOR.join([m.payload for m in messages])
-    if payloads.count(PAYLOAD_SEPARATOR) != len(parts) - 1:
+    if payloads.count(PAYLOAD_SEPARATOR) != max(len(parts) - 1, 0):
         raise exceptions.ConfigurationError(
             "a message payload holds the control character U+001E, which JSON text cannot "
             "hold unescaped: payloads must be JSON (as kombu-pgskip's envelope writes them); "

@@ -65,3 +65,8 @@ def test_publish_many_refuses_a_payload_that_is_not_json_text() -> None:
     raw = NewMessage("q", 0, "pending", None, '{"b": "\x1e"}', None, None, None)
     with pytest.raises(exceptions.ConfigurationError, match="U\\+001E"):
         _many_params([NewMessage("q", 0, "pending", None, "{}", None, None, None), raw])
+
+
+def test_publish_many_parameters_of_no_messages_are_empty_not_refused() -> None:
+    # No payload means no separator: the U+001E check must not count one that is missing.
+    assert _many_params([]) == {"rows": "[]", "payloads": ""}
