@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import kombu.pools
 import psycopg
 import pytest
 from celery import Celery
@@ -50,7 +51,12 @@ def app(module_broker_url: str, rc_worker: CeleryWorker) -> Iterator[Celery]:
     app.conf.task_default_queue = "default"
     app.conf.broker_transport_options = {"eta_threshold": 3600}
     yield app
+    # Celery's app.close() drops its connection pool without closing it, and kombu keeps it in
+    # a process-wide group: the pooled connection whose reply consumer app.control used would
+    # keep its lease heartbeat running (against a database dropped with the module) until the
+    # test process exits. kombu's reset() closes every pool and forgets them.
     app.close()
+    kombu.pools.reset()
 
 
 def cli_json(broker: str, *args: str) -> dict[str, object]:
