@@ -254,7 +254,7 @@ def fetch_plans(url: str, *, rounds: int = 5) -> dict[str, Any]:
                             fetcher.send(tags, ["plans"], limit, consumer)
                             result = fetcher.wait()
                             assert result is not None
-                            tags = [(r.id, r.attempts) for r in result[1]]
+                            tags = [r.tag for r in result[1]]
                         w1, b1 = time.perf_counter(), _backend_cpu_s(pid)
                         samples[f"{mode}_limit_{limit}"].append(
                             (1e6 * (b1 - b0) / calls, 1e6 * (w1 - w0) / calls)

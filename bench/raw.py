@@ -190,7 +190,7 @@ def _store_client(start_at: float, url: str, seconds: float, limit: int) -> tupl
         rows = store.fetch(["q"], limit, me)
         if not rows:
             break
-        store.ack([(r.id, r.attempts) for r in rows], me)
+        store.ack([r.tag for r in rows], me)
         n += len(rows)
     elapsed = time.perf_counter() - t0
     store.close()

@@ -66,7 +66,7 @@ def _consumer(
         if not rows:
             time.sleep(0.005)
             continue
-        store.ack([(r.id, r.attempts) for r in rows], me)
+        store.ack([r.tag for r in rows], me)
         with done.get_lock():
             done.value += len(rows)
             total = done.value
@@ -103,7 +103,7 @@ def _probe(url: str, payload: str) -> dict[str, Any]:
         c0 = time.perf_counter()
         rows = store.fetch(["probe"], 100, me)
         fetch_ms.append(1000 * (time.perf_counter() - c0))
-        store.ack([(r.id, r.attempts) for r in rows], me)
+        store.ack([r.tag for r in rows], me)
     store.unregister_consumer(me)
     store.close()
     with psycopg.connect(url, autocommit=True) as conn:

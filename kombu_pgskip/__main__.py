@@ -152,5 +152,24 @@ def grant(
     cli.do_grant(Target(url, schema), list(workers), list(publishers), dry_run)
 
 
+@main.command(name="doctor")
+@_url
+@_schema
+def doctor(url: str, schema: str) -> None:
+    """Check privileges and functions (run as the schema's owner); exits 1 on a finding."""
+    cli.do_doctor(Target(url, schema))
+
+
+@main.command(name="queue-args")
+@_url
+@_schema
+@cli.queue_args_options
+def queue_args(
+    url: str, schema: str, queue: str, assignments: tuple[str, ...], unset: tuple[str, ...]
+) -> None:
+    """Show or change a declared queue's arguments (run as the schema's owner)."""
+    cli.do_queue_args(Target(url, schema), queue, assignments, unset)
+
+
 if __name__ == "__main__":
     main()

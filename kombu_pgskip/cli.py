@@ -7,6 +7,7 @@ CLI process (worker, inspect, events, purge, flower).
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -111,6 +112,60 @@ def do_grant(target: Target, workers: list[str], publishers: list[str], dry_run:
         click.echo(f"granted ({len(grants)} statements) as the role of {mask_url(target.url)}")
 
 
+def do_queue_args(
+    target: Target, queue: str, assignments: Sequence[str], unset: Sequence[str]
+) -> None:
+    from .queue_args import parse_assignment, set_queue_arguments
+
+    try:
+        changes = dict(parse_assignment(a) for a in assignments)
+        before, after = set_queue_arguments(
+            target.url, target.schema, queue, set=changes, unset=unset
+        )
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    if before == after:
+        click.echo(f"queue {queue!r}: {json.dumps(after, sort_keys=True)}")
+        return
+    for key in sorted(set(before) | set(after)):
+        if before.get(key) != after.get(key):
+            old = json.dumps(before[key]) if key in before else "none"
+            new = json.dumps(after[key]) if key in after else "none"
+            click.echo(f"queue {queue!r}: {key} {old} -> {new}")
+
+
+def do_doctor(target: Target) -> None:
+    from .doctor import run_doctor
+
+    try:
+        checks = run_doctor(target.url, target.schema)
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    for check in checks:
+        click.echo(check.line())
+    failed = sum(1 for c in checks if not c.ok)
+    if failed:
+        click.echo(f"{failed} of {len(checks)} checks failed", err=True)
+        sys.exit(1)
+
+
+def queue_args_options(func: Any) -> Any:
+    """The arguments and options of ``queue-args`` (here and in ``__main__``)."""
+    func = click.option(
+        "--unset", multiple=True, metavar="KEY", help="Remove an argument (repeatable)."
+    )(func)
+    func = click.option(
+        "--set",
+        "assignments",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Set an argument, e.g. x-expires=60000 (milliseconds; repeatable).",
+    )(func)
+    return click.argument("queue")(func)
+
+
 _schema_option = click.option(
     "--schema",
     default=None,
@@ -160,14 +215,23 @@ def grant_options(func: Any) -> Any:
     )(func)
 
 
-@pgskip.command(name="grant")
-@grant_options
-@click.option(
+_owner_url_option = click.option(
     "--url",
     envvar="PGSKIP_OWNER_URL",
     default=None,
     help="Connect as the schema's owner (default: the app's broker_url).",
 )
+
+
+def _owner_target(ctx: click.Context, schema: str | None, url: str | None) -> Target:
+    """Where an owner's command acts: the app's broker, or ``--url`` (the owner's)."""
+    target = _target(ctx, schema)
+    return Target(url, target.schema) if url else target
+
+
+@pgskip.command(name="grant")
+@grant_options
+@_owner_url_option
 @_schema_option
 @click.pass_context
 def grant_cmd(
@@ -179,10 +243,35 @@ def grant_cmd(
     schema: str | None,
 ) -> None:
     """Grant a worker role and a publisher role only what they need (see docs/security.md)."""
-    target = _target(ctx, schema)
-    if url:
-        target = Target(url, target.schema)
-    do_grant(target, list(workers), list(publishers), dry_run)
+    do_grant(_owner_target(ctx, schema, url), list(workers), list(publishers), dry_run)
+
+
+@pgskip.command(name="doctor")
+@_owner_url_option
+@_schema_option
+@click.pass_context
+def doctor_cmd(ctx: click.Context, url: str | None, schema: str | None) -> None:
+    """Check the schema's privileges and functions for what would let a worker or publisher
+    role destroy messages or run code as the owner; exits 1 when a check fails."""
+    do_doctor(_owner_target(ctx, schema, url))
+
+
+@pgskip.command(name="queue-args")
+@queue_args_options
+@_owner_url_option
+@_schema_option
+@click.pass_context
+def queue_args_cmd(
+    ctx: click.Context,
+    queue: str,
+    assignments: tuple[str, ...],
+    unset: tuple[str, ...],
+    url: str | None,
+    schema: str | None,
+) -> None:
+    """Show or change a declared queue's arguments (x-expires, x-message-ttl, x-max-priority),
+    as the schema's owner: declarations cannot change them."""
+    do_queue_args(_owner_target(ctx, schema, url), queue, assignments, unset)
 
 
 # -- periodic tasks, pg_cron maintenance, failed messages --------------------------------------

@@ -160,7 +160,7 @@ def _row(
     payload = _encode(message)
     if len(payload) > max_message_size:
         raise _too_large(len(payload), destination, max_message_size)
-    _refuse_nul(payload)
+    refuse_nul(payload)
     eta = _parse_eta(headers.get("eta"))
     status, run_at = "pending", None
     if eta is not None:
@@ -214,20 +214,41 @@ class Rebodied:
     def with_body(self, body: str, delivery_tag: str) -> NewMessage:
         """The row for a message whose encoded body (``body_encoding`` applied) is ``body``."""
         encoded = _json_string(body)  # what dumps(body) gives for a str, without an encoder
-        _refuse_nul(encoded)
+        refuse_nul(encoded)
         payload = f"{self._head}{encoded}{self._middle}{_json_string(delivery_tag)}{self._tail}"
         if len(payload) > self.max_message_size:
             raise _too_large(len(payload), self.destination, self.max_message_size)
         return self.row.to(self.row.queue, payload)
 
 
-def _refuse_nul(payload: str) -> None:
-    if "\\u0000" in payload:
-        # PostgreSQL's json accepts it, but nothing can decode it back reliably.
-        raise exceptions.ConfigurationError(
-            "message contains a NUL character (\\u0000), which PostgreSQL cannot store: "
-            "use a binary serializer (pickle/msgpack) or strip NULs"
-        )
+def refuse_nul(payload: str) -> None:
+    """Raise unless ``payload`` (JSON text: a whole payload, or one JSON string) is free of
+    ``\\u0000``, the escape a U+0000 of the message becomes in JSON.
+
+    The ``json`` column stores it, and the transport reads the payload back whole, but
+    PostgreSQL refuses it everywhere else: every ``->`` or ``->>`` on that payload fails
+    (operators' ``payload->'headers'->>'task'``, whatever the key), and so do a cast to
+    ``jsonb`` and the text columns (``task_name`` and ``task_id`` come from the headers). The
+    text ``\\u0000`` in a value is encoded ``\\\\u0000``, an escaped backslash followed by
+    ``u0000``: accepted, like everything in a base64-encoded body, whose bytes may hold NULs.
+    The JSON encoders used here escape every control character, so a U+0000 never appears
+    unescaped.
+    """
+    at = payload.find("\\u0000")
+    while at >= 0:
+        # The escape's backslash is itself escaped when an odd number of backslashes precede it.
+        start = at
+        while start and payload[start - 1] == "\\":
+            start -= 1
+        if (at - start) % 2 == 0:
+            raise exceptions.ConfigurationError(
+                "message contains a NUL character (\\u0000), which PostgreSQL cannot store "
+                "outside a base64-encoded body: strip NULs from the task name, headers and "
+                "properties; Celery copies args and kwargs into the argsrepr and kwargsrepr "
+                "headers, so pass apply_async(..., argsrepr=..., kwargsrepr=...) without NULs "
+                "(the arguments themselves travel intact in the body)"
+            )
+        at = payload.find("\\u0000", at + 1)
 
 
 def _too_large(size: int, destination: str, limit: int) -> exceptions.MessageTooLarge:
@@ -269,21 +290,24 @@ def _encode(message: dict[str, Any]) -> str:
 _ENCODER = JSONEncoder()
 
 
-def make_tag(row_id: int, attempts: int) -> str:
-    """A delivery tag that is also the fencing token: the row and which delivery of it."""
-    return f"{row_id}.{attempts}"
+def make_tag(row_id: int, delivery: int) -> str:
+    """A delivery tag that carries the fencing token: the row and which delivery of it (the
+    token its fetch stamped, :attr:`~kombu_pgskip.store.FetchedRow.delivery`, which no other
+    delivery of the row carries)."""
+    return f"{row_id}.{delivery}"
 
 
 def parse_tag(tag: object) -> tuple[int, int]:
-    row_id, _, attempts = str(tag).partition(".")
-    return int(row_id), int(attempts)
+    """(row id, delivery token) of a tag made by :func:`make_tag`."""
+    row_id, _, delivery = str(tag).partition(".")
+    return int(row_id), int(delivery)
 
 
 def to_message(row: FetchedRow) -> dict[str, Any]:
     """The raw kombu message a consumer receives for a fetched row."""
     message = row.payload
     props = message.setdefault("properties", {})
-    props["delivery_tag"] = make_tag(row.id, row.attempts)
+    props["delivery_tag"] = make_tag(row.id, row.delivery)
     delivery_info = props.setdefault("delivery_info", {})
     delivery_info["redelivered"] = row.redelivered
     delivery_info.setdefault("routing_key", row.queue)

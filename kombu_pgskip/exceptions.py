@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+from kombu.exceptions import ChannelError
 from psycopg import errors as pg_errors
 
 
@@ -108,6 +109,12 @@ class PermissionDenied(PgSkipError):
     """The database role lacks a privilege kombu-pgskip needs: the schema's owner grants a
     worker or publisher role what it needs with `celery -A proj pgskip grant --worker ROLE
     --publisher ROLE` (docs/security.md); migrations run as the owner."""
+
+
+class PreconditionFailed(PgSkipError, ChannelError):  # type: ignore[misc]
+    """A queue or exchange exists with other settings than this declaration's (AMQP's
+    PRECONDITION_FAILED): nothing was changed. Declare it as it was first declared, or have
+    the schema's owner change a queue's arguments with `celery -A proj pgskip queue-args`."""
 
 
 class MigrationError(PgSkipError):

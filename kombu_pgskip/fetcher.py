@@ -25,12 +25,12 @@ from psycopg import pq
 
 from .libpq import array_literal, connection_error, positional
 from .sql import queries_for
-from .store import FetchedRow, fetched_rows
+from .store import FETCH_MAX_BYTES, FetchedRow, fetched_rows
 from .urls import connect
 
 logger = logging.getLogger(__name__)
 
-_PARAMS = ("ids", "attempts", "queues", "limit", "consumer", "urgent")
+_PARAMS = ("ids", "deliveries", "queues", "limit", "max_bytes", "consumer", "urgent")
 
 
 class Cooldown:
@@ -77,16 +77,19 @@ class AsyncFetcher:
         *,
         schema: str,
         asynchronous_commit: bool,
-        connect_timeout: float,
         prepared: bool = True,
         keep_completed: bool = True,
+        max_bytes: int = FETCH_MAX_BYTES,
+        **connect_kwargs: Any,
     ) -> None:
-        """``keep_completed=False``: acks delete their messages (``ack_delete_fetch``)."""
+        """``keep_completed=False``: acks delete their messages (``ack_delete_fetch``).
+        ``max_bytes``: the byte budget of every fetch (:meth:`~kombu_pgskip.store.Store.fetch`)."""
         self.url = url
+        self._max_bytes = str(max_bytes).encode()
         self.schema = schema
         self._asynchronous_commit = asynchronous_commit
         self._prepared = prepared
-        self._connect_timeout = connect_timeout
+        self._connect_kwargs = connect_kwargs  # for urls.connect
         self._conn: psycopg.Connection[Any] | None = None
         self._pid = os.getpid()
         self._sent: int | None = None  # the limit of the fetch in flight
@@ -109,7 +112,7 @@ class AsyncFetcher:
             self._conn, self._sent, self._pid = None, None, os.getpid()  # not ours to use
         conn = self._conn
         if conn is None or conn.closed:
-            conn = connect(self.url, connect_timeout=self._connect_timeout)
+            conn = connect(self.url, **self._connect_kwargs)
             try:
                 if self._asynchronous_commit:
                     conn.execute("SET synchronous_commit TO off")
@@ -143,17 +146,18 @@ class AsyncFetcher:
         consumer: uuid.UUID,
         urgent: Sequence[str] = (),
     ) -> None:
-        """Ack ``tags`` and ask for up to ``limit`` messages of ``queues``; do not wait.
-        :attr:`urgent` then says whether a due message waits in one of the queues ``urgent``
-        (read in the fetch's snapshot; not fetched)."""
+        """Ack ``tags`` ((id, delivery token) pairs) and ask for up to ``limit`` messages of
+        ``queues``; do not wait. :attr:`urgent` then says whether a due message waits in one
+        of the queues ``urgent`` (read in the fetch's snapshot; not fetched)."""
         if self._sent is not None:
             raise RuntimeError("a fetch is already in flight")
         pgconn = self._pgconn()
         values = {
             "ids": array_literal([t[0] for t in tags]),
-            "attempts": array_literal([t[1] for t in tags]),
+            "deliveries": array_literal([t[1] for t in tags]),
             "queues": array_literal(list(queues)),
             "limit": str(max(limit, 0)).encode(),
+            "max_bytes": self._max_bytes,
             "consumer": str(consumer).encode(),
             "urgent": array_literal(list(urgent)),
         }
@@ -216,7 +220,7 @@ class AsyncFetcher:
             for i in range(res.ntuples):
                 value = res.get_value
                 acked = int(value(i, 0) or 0)
-                urgent = value(i, 9) == b"t"
+                urgent = value(i, 11) == b"t"
                 if value(i, 1) is None:
                     continue  # the lone row of a fetch that found nothing
                 rows.append(
@@ -229,6 +233,8 @@ class AsyncFetcher:
                         None,  # expires_at (not used by consumers)
                         int(value(i, 7) or 0),  # priority
                         int(value(i, 8) or 0),  # round-robin rank
+                        int(value(i, 9) or 0),  # delivery token
+                        value(i, 10) == b"t",  # budget_full
                     )
                 )
         self.urgent = urgent

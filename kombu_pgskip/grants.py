@@ -7,14 +7,15 @@ owner
     run as it) and runs ``pgskip grant``. Never used by workers or web processes.
 worker
     consumes: fetches, acks, requeues, fails, leases, sweeps, promotes scheduled messages,
-    expires queues; declares queues, exchanges and bindings; publishes (tasks that start tasks,
-    remote-control replies, events). It cannot change the schema (no ``CREATE`` on it, owns
-    nothing) nor touch the periodic-task tables.
+    expires queues; declares and deletes queues, exchanges and bindings; publishes (tasks that
+    start tasks, remote-control replies, events). It cannot change the schema (no ``CREATE``
+    on it, owns nothing), a declared queue's arguments, nor the periodic-task tables.
 publisher
-    inserts messages and declares what Celery declares on first publish (queues, exchanges,
-    bindings: insert and update, never delete). Of ``jobs`` it may read only the columns
-    ``INSERT ... RETURNING`` and queue sizes need (``id``, ``queue``, ``status``): not the
-    bodies, headers or errors of other messages. It may not update or delete messages.
+    inserts messages (only the columns a publish writes) and declares what Celery declares on
+    first publish (queues, exchanges, bindings: insert, never change or delete). Of ``jobs``
+    it may read only the columns ``INSERT ... RETURNING`` and queue sizes need (``id``,
+    ``queue``, ``status``): not the bodies, headers or errors of other messages. It may not
+    update or delete messages, and executes no function of the schema.
 
 Every statement names the role and schema through ``psycopg.sql.Identifier``. Grants only add:
 running the command again changes nothing.
@@ -34,25 +35,50 @@ ALL_ROWS = "SELECT, INSERT, UPDATE, DELETE"
 
 # (table, privileges, columns): columns restrict the privileges to them (column-level grant).
 Privilege = tuple[str, str, tuple[str, ...]]
+#: Declaring refreshes a queue's x-expires clock; nothing else of a declared queue, exchange
+#: or binding changes after its first declaration (AMQP: a different one fails), except by
+#: the owner (``pgskip queue-args``).
+QUEUE_CLOCK: Privilege = ("queues", "UPDATE", ("last_used_at",))
 WORKER_PRIVILEGES: tuple[Privilege, ...] = (
     ("jobs", ALL_ROWS, ()),
-    ("queues", ALL_ROWS, ()),
-    ("exchanges", ALL_ROWS, ()),
-    ("bindings", ALL_ROWS, ()),
+    ("queues", "SELECT, INSERT, DELETE", ()),
+    QUEUE_CLOCK,
+    ("exchanges", "SELECT, INSERT, DELETE", ()),
+    ("bindings", "SELECT, INSERT, DELETE", ()),
     ("consumers", ALL_ROWS, ()),
-    # Kept by triggers on consumers as its owner (migration 0010); read by every publish.
-    ("consumer_queues", "SELECT", ()),
+    # Kept in step with consumers by a trigger that runs as the role changing consumers.
+    ("consumer_queues", ALL_ROWS, ()),
     ("migrations", "SELECT", ()),
     # The guard of a remembered route (migration 0005); triggers bump it as its owner.
     ("routing_epoch", "SELECT", ()),
 )
+#: The columns a publish writes: a publisher cannot insert a message already running under a
+#: consumer, already attempted, or with an id of its choosing.
+PUBLISHED_COLUMNS = (
+    "queue",
+    "priority",
+    "status",
+    "run_at",
+    "payload",
+    "task_name",
+    "task_id",
+    "expires_at",
+)
 PUBLISHER_PRIVILEGES: tuple[Privilege, ...] = (
-    ("jobs", "INSERT", ()),
+    ("jobs", "INSERT", PUBLISHED_COLUMNS),
     # INSERT ... RETURNING id (publish) and queue (routed publish); counts for queue_declare.
     ("jobs", "SELECT", ("id", "queue", "status")),
-    ("queues", "SELECT, INSERT, UPDATE", ()),
-    ("exchanges", "SELECT, INSERT, UPDATE", ()),
-    ("bindings", "SELECT, INSERT, UPDATE", ()),
+    ("queues", "SELECT", ()),
+    (
+        "queues",
+        "INSERT",
+        ("name", "durable", "auto_delete", "arguments", "max_priority", "message_ttl", "expires"),
+    ),
+    QUEUE_CLOCK,
+    ("exchanges", "SELECT", ()),
+    ("exchanges", "INSERT", ("name", "type", "durable", "auto_delete", "arguments")),
+    ("bindings", "SELECT", ()),
+    ("bindings", "INSERT", ("exchange", "queue", "routing_key", "arguments", "pattern")),
     ("consumers", "SELECT", ()),
     ("consumer_queues", "SELECT", ()),
     ("migrations", "SELECT", ()),

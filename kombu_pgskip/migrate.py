@@ -149,6 +149,9 @@ def migrate(url: str, *, schema: str = DEFAULT_SCHEMA, dry_run: bool = False) ->
     With ``dry_run`` nothing is changed and the SQL that would run is logged and returned in
     the labels' place as ``label + "\\n" + sql``.
     """
+    from .store import validate_schema_name
+
+    validate_schema_name(schema)
     with connect(url, autocommit=False) as conn:
         try:
             return _migrate(conn, schema, dry_run=dry_run)
@@ -180,7 +183,10 @@ def _migrate(conn: psycopg.Connection[Any], schema: str, *, dry_run: bool) -> li
             " applied_at timestamptz NOT NULL DEFAULT now())"
         ).format(ident)
     )
-    conn.execute(sql.SQL("SET LOCAL search_path TO {}, public").format(ident))
+    # The schema first, then PostgreSQL's own objects; no schema that another role can create
+    # objects in (public), so nothing a migration creates or calls resolves to one of theirs.
+    # Functions created with SET search_path FROM CURRENT keep exactly this path.
+    conn.execute(sql.SQL("SET LOCAL search_path TO {}, pg_catalog, pg_temp").format(ident))
     applied = []
     for m in pending:
         logger.info("applying migration %s", m.label, extra={"action": "migrate_apply"})

@@ -58,6 +58,7 @@ from kombu.utils.json import dumps
 from psycopg.types.json import Jsonb
 
 from . import cron, exceptions
+from .envelope import refuse_nul
 from .schedule_spec import (
     CrontabSpec,
     IntervalSpec,
@@ -443,6 +444,11 @@ def _plan_one(
         raise Refused(f"Celery could not build its message: {type(exc).__name__}: {exc}") from None
     if not captured:
         raise Refused("Celery routed the message to no queue")
+    for _queue, message in captured:
+        try:
+            refuse_nul(dumps(message))
+        except exceptions.ConfigurationError as exc:
+            raise Refused(str(exc)) from None
     fixed_task_id = str(options["task_id"]) if options.get("task_id") else None
     messages: list[dict[str, Any]] = []
     id_paths: list[list[str]] = []

@@ -38,11 +38,33 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FetchedRow:
+    """A message a fetch took.
+
+    ``attempts`` counts its deliveries (this one included). ``delivery`` is this delivery's
+    fencing token: ack, requeue and fail change the row only while it still runs under this
+    delivery, which no later delivery of it matches (0 for a no-ack fetch: nothing settles
+    it). ``budget_full`` is true on the last row of a fetch whose byte budget
+    (``max_bytes``) left a due message behind."""
+
     id: int
     queue: str
     payload: dict[str, Any]
     redelivered: bool
     attempts: int
+    delivery: int = 0
+    budget_full: bool = False
+
+    @property
+    def tag(self) -> tuple[int, int]:
+        """What :meth:`Store.ack`, :meth:`Store.requeue` and :meth:`Store.fail` take:
+        (row id, delivery token)."""
+        return self.id, self.delivery
+
+
+#: Payload bytes after which a fetch takes no further message (the transport option
+#: ``fetch_max_bytes``; it always takes one): a fetch's whole result is in the worker's memory
+#: at once, and holds less than this plus one message.
+FETCH_MAX_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -95,6 +117,27 @@ def scheduled_channel(schema: str) -> str:
     return f"pgskip:{schema}:scheduled"
 
 
+#: PostgreSQL's longest identifier in bytes (NAMEDATALEN - 1): schema and channel names alike.
+IDENTIFIER_BYTES = 63
+#: The longest schema name whose notification channels are identifiers PostgreSQL accepts.
+MAX_SCHEMA_BYTES = IDENTIFIER_BYTES - len(scheduled_channel("").encode())
+
+
+def validate_schema_name(schema: object) -> str:
+    """Return ``schema`` if it can name the broker's schema, else raise
+    :class:`~kombu_pgskip.exceptions.ConfigurationError`: 1 to :data:`MAX_SCHEMA_BYTES` bytes
+    of UTF-8 without NUL, so that ``pgskip:<schema>:scheduled`` is a channel name PostgreSQL
+    takes (it refuses a NOTIFY on a longer one)."""
+    size = len(schema.encode("utf-8", "surrogatepass")) if isinstance(schema, str) else 0
+    if not isinstance(schema, str) or not 0 < size <= MAX_SCHEMA_BYTES or "\x00" in schema:
+        raise exceptions.ConfigurationError(
+            f"schema name {schema!r} ({size} bytes): a schema name is 1 to {MAX_SCHEMA_BYTES} "
+            "bytes of UTF-8 without NUL (its notification channel pgskip:<schema>:scheduled "
+            f"must fit PostgreSQL's {IDENTIFIER_BYTES}-byte identifiers); choose a shorter one"
+        )
+    return schema
+
+
 _schema_checked: set[tuple[str, str]] = set()
 _schema_lock = threading.Lock()
 
@@ -131,7 +174,7 @@ class Store:
         self._notify_after_commit = (
             notify_after_commit and not asynchronous_commit and psycopg.Pipeline.is_supported()
         )
-        self.schema = schema
+        self.schema = validate_schema_name(schema)
         self.q = queries_for(schema)
         self.channel = notify_channel(schema)
         # Every insert statement wakes consumers itself (migration 0004): the two channels.
@@ -457,16 +500,27 @@ class Store:
         auto_delete: bool = False,
         arguments: dict[str, Any] | None = None,
     ) -> None:
-        self.execute(
-            "declare_exchange",
-            {
-                "name": name,
-                "type": type,
-                "durable": durable,
-                "auto_delete": auto_delete,
-                "arguments": json.dumps(arguments or {}, default=str),
-            },
-        )
+        """Create exchange ``name`` unless it exists. Raises
+        :class:`~kombu_pgskip.exceptions.PreconditionFailed`, changing nothing, when it exists
+        with another type (AMQP). Its flags and arguments have no effect here and are kept
+        as first declared."""
+        _no_nul(exchange=name)
+        params = {
+            "name": name,
+            "type": type,
+            "durable": durable,
+            "auto_delete": auto_delete,
+            "arguments": json.dumps(arguments or {}, default=str),
+        }
+        # No row: another session created it after the statement's snapshot; ask again.
+        rows = self.execute("declare_exchange", params) or self.execute("declare_exchange", params)
+        stored = str(rows[0][0]) if rows else type
+        if stored != type:
+            raise exceptions.PreconditionFailed(
+                f"PRECONDITION_FAILED - exchange {name!r} was declared with type {stored!r}, "
+                f"not {type!r}; nothing was changed: declare it as {stored!r}, or delete it "
+                "first (Channel.exchange_delete)"
+            )
 
     def exchange_type(self, name: str) -> str | None:
         """The declared type of ``name``, or ``None`` when no process declared it."""
@@ -487,6 +541,7 @@ class Store:
         arguments: dict[str, Any] | None = None,
     ) -> None:
         """Bind ``queue`` to ``exchange`` (rows for either are created if missing)."""
+        _no_nul(exchange=exchange, routing_key=routing_key or "")
         self.execute(
             "bind",
             {
@@ -511,14 +566,25 @@ class Store:
     # -- consuming -------------------------------------------------------------------------------
 
     def fetch(
-        self, queues: Sequence[str], limit: int, consumer: uuid.UUID, *, no_ack: bool = False
+        self,
+        queues: Sequence[str],
+        limit: int,
+        consumer: uuid.UUID,
+        *,
+        no_ack: bool = False,
+        max_bytes: int = FETCH_MAX_BYTES,
     ) -> list[FetchedRow]:
-        """Take up to ``limit`` due messages, fairly across ``queues``, in delivery order."""
+        """Take up to ``limit`` due messages, fairly across ``queues``, in delivery order.
+
+        A message is taken only while the payloads taken before it total less than
+        ``max_bytes``: a fetch holds less than ``max_bytes`` plus one message, and always takes
+        at least one (a message larger than the budget comes alone). Messages left behind
+        stay pending; :func:`fetch_filled` says whether to fetch again."""
         if not queues or limit <= 0:
             return []
         rows = self.execute(
             "fetch_noack" if no_ack else "fetch",
-            {"queues": list(queues), "limit": limit, "consumer": consumer},
+            {"queues": list(queues), "limit": limit, "consumer": consumer, "max_bytes": max_bytes},
         )
         return fetched_rows(rows)
 
@@ -528,40 +594,45 @@ class Store:
         queues: Sequence[str],
         limit: int,
         consumer: uuid.UUID,
+        *,
+        max_bytes: int = FETCH_MAX_BYTES,
     ) -> tuple[int, list[FetchedRow]]:
         """:meth:`ack` and :meth:`fetch` in one statement: (acks still ours, messages taken)."""
-        ids, attempts = _split(tags)
+        ids, deliveries = _split(tags)
         rows = self.execute(
             self._ack_fetch,
             {
                 "ids": ids,
-                "attempts": attempts,
+                "deliveries": deliveries,
                 "queues": list(queues),
                 "limit": max(limit, 0),
+                "max_bytes": max_bytes,
                 "consumer": consumer,
                 "urgent": [],
             },
         )
         acked = int(rows[0][0]) if rows else 0
-        return acked, fetched_rows([r[1:9] for r in rows if r[1] is not None])
+        return acked, fetched_rows([r[1:11] for r in rows if r[1] is not None])
 
     def ack(self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID) -> int:
-        """Mark (id, attempt) pairs completed (or delete them: ``keep_completed=False``);
-        returns how many were still ours."""
-        ids, attempts = _split(tags)
-        params = {"ids": ids, "attempts": attempts, "consumer": consumer}
+        """Mark (id, delivery token) pairs (:attr:`FetchedRow.tag`) completed (or delete them:
+        ``keep_completed=False``); returns how many were still ours. A pair of an earlier
+        delivery of a message, or of a consumer that lost it, changes nothing."""
+        ids, deliveries = _split(tags)
+        params = {"ids": ids, "deliveries": deliveries, "consumer": consumer}
         return len(self.execute(self._ack, params))
 
     def requeue(
         self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID, *, max_attempts: int
     ) -> tuple[int, int]:
-        """Return messages to pending; returns (requeued or failed, failed for max_attempts)."""
-        ids, attempts = _split(tags)
+        """Return (id, delivery token) pairs to pending, fenced as :meth:`ack`; returns
+        (requeued or failed, failed for max_attempts)."""
+        ids, deliveries = _split(tags)
         row = self.execute(
             "requeue",
             {
                 "ids": ids,
-                "attempts": attempts,
+                "deliveries": deliveries,
                 "consumer": consumer,
                 "max_attempts": max_attempts,
                 "channel": self.channel,
@@ -570,10 +641,13 @@ class Store:
         return int(row[0]), int(row[1])
 
     def fail(self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID, error: str) -> int:
-        ids, attempts = _split(tags)
+        """Move (id, delivery token) pairs to failed with ``error``, fenced as :meth:`ack`;
+        returns how many were still ours."""
+        ids, deliveries = _split(tags)
         return len(
             self.execute(
-                "fail", {"ids": ids, "attempts": attempts, "consumer": consumer, "error": error}
+                "fail",
+                {"ids": ids, "deliveries": deliveries, "consumer": consumer, "error": error},
             )
         )
 
@@ -680,19 +754,41 @@ class Store:
         auto_delete: bool = False,
         arguments: dict[str, Any] | None = None,
     ) -> None:
+        """Create queue ``name``, or refresh its ``x-expires`` clock if it exists with the same
+        settings. Raises :class:`~kombu_pgskip.exceptions.PreconditionFailed`, changing
+        nothing, when it exists with other ones (AMQP: a queue's first declaration fixes
+        them; ``pgskip queue-args`` changes them, as the schema's owner).
+
+        Compared: ``auto_delete``, ``x-max-priority``, ``x-message-ttl`` and ``x-expires``,
+        the settings that change what happens to its messages. ``durable`` (every queue is a
+        table here) and other ``x-`` arguments have no effect and are kept as first declared.
+        """
         args = dict(arguments or {})
-        self.execute(
-            "declare_queue",
-            {
-                "name": name,
-                "durable": durable,
-                "auto_delete": auto_delete,
-                "arguments": json.dumps(args, default=str),
-                "max_priority": _int_or_none(args.get("x-max-priority")),
-                "message_ttl": _int_or_none(args.get("x-message-ttl")),
-                "expires": _int_or_none(args.get("x-expires")),
-            },
-        )
+        params = {
+            "name": name,
+            "durable": durable,
+            "auto_delete": auto_delete,
+            "arguments": json.dumps(args, default=str),
+            "max_priority": _int_or_none(args.get("x-max-priority")),
+            "message_ttl": _int_or_none(args.get("x-message-ttl")),
+            "expires": _int_or_none(args.get("x-expires")),
+        }
+        for _ in range(2):  # the queue may be deleted between the two statements: again
+            if self.execute("declare_queue", params):
+                return
+            stored = self.execute("queue_declaration", {"name": name})
+            if stored:
+                asked = (auto_delete, params["max_priority"], params["message_ttl"],
+                         params["expires"])  # fmt: skip
+                raise exceptions.PreconditionFailed(
+                    f"PRECONDITION_FAILED - queue {name!r} was declared with "
+                    f"{_queue_settings(stored[0])}, this declaration asks for "
+                    f"{_queue_settings(asked)}; nothing was changed: declare it with the "
+                    "same settings (every process that declares it, e.g. the same "
+                    "task_queues / Queue(...) arguments), or have the schema's owner change "
+                    f"them: celery -A proj pgskip queue-args {name} --set x-expires=... "
+                    "(see --help)"
+                )
 
     def has_queue(self, name: str) -> bool:
         return bool(self.execute("has_queue", {"name": name})[0][0])
@@ -726,8 +822,8 @@ class Store:
 
 def fetched_rows(rows: list[tuple[Any, ...]]) -> list[FetchedRow]:
     """Rows of ``fetch`` (or ``ack_fetch`` without its first column; the payload as a dict or
-    as JSON text) (id, queue, payload, redelivered, attempts, expires_at, priority, rn)
-    in delivery order: priority first, then round-robin across queues."""
+    as JSON text) (id, queue, payload, redelivered, attempts, expires_at, priority, rn,
+    delivery, budget_full) in delivery order: priority first, then round-robin across queues."""
     rows.sort(key=lambda r: (-r[6], r[7], r[0]))
     return [
         FetchedRow(
@@ -736,9 +832,18 @@ def fetched_rows(rows: list[tuple[Any, ...]]) -> list[FetchedRow]:
             payload=r[2] if isinstance(r[2], dict) else json.loads(r[2]),
             redelivered=r[3],
             attempts=r[4],
+            delivery=r[8],
+            budget_full=bool(r[9]),
         )
         for r in rows
     ]
+
+
+def fetch_filled(rows: Sequence[FetchedRow], limit: int) -> bool:
+    """Whether a fetch that asked for ``limit`` messages and took ``rows`` may have left due
+    messages behind: it took its whole limit, or its byte budget stopped it first. The
+    consumer's prefetch credit is then worth another fetch at once."""
+    return len(rows) >= limit or any(row.budget_full for row in rows)
 
 
 #: A durable publish's announcement reads the consumers' polling flags of its queue on the
@@ -831,7 +936,30 @@ def _many_params(messages: Sequence[NewMessage]) -> dict[str, str]:
 
 
 def _split(tags: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """(id, delivery token) pairs as the arrays the fenced statements take: ids, deliveries."""
     return [t[0] for t in tags], [t[1] for t in tags]
+
+
+def _no_nul(**names: str) -> None:
+    """Refuse a name PostgreSQL cannot store (text holds no U+0000) before anything is written."""
+    for what, name in names.items():
+        if "\x00" in name:
+            raise exceptions.ConfigurationError(
+                f"invalid {what.replace('_', ' ')} {name!r}: NUL characters are not allowed"
+            )
+
+
+def _queue_settings(values: Sequence[Any]) -> str:
+    """(auto_delete, max_priority, message_ttl, expires) as a queue's declaration reads them."""
+    auto_delete, max_priority, message_ttl, expires = values
+    parts = [f"auto_delete={bool(auto_delete)}"]
+    for key, value in (
+        ("x-max-priority", max_priority),
+        ("x-message-ttl", message_ttl),
+        ("x-expires", expires),
+    ):
+        parts.append(f"{key}={'none' if value is None else value}")
+    return ", ".join(parts)
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -35,7 +35,8 @@ to ``pending`` when due, so workers do not hold it.
 Every consumer has a lease (a row in ``consumers``) that a heartbeat thread renews every
 ``lease_seconds / 3``; a consumer that dies stops renewing, and after ``lease_seconds`` any live
 worker's sweeper (every ``sweep_interval``) puts its rows back to ``pending``. Acks are fenced by
-(consumer, delivery number): an ack from a consumer that lost its lease changes nothing.
+(consumer, delivery token, unique to each delivery): an ack from a consumer that lost its lease,
+or of an earlier delivery of the same message, changes nothing.
 Acks wait for the consumer's next fetch and are written by the same statement (or on their
 own, at the latest by the heartbeat thread): a crash before that can only cause a redelivery.
 
@@ -69,6 +70,12 @@ option                        default    meaning
 ``max_attempts``              20         deliveries before a message goes to ``failed``
 ``eta_threshold``             2.0        ETAs further away than this wait in the database
 ``fetch_limit``               100        most messages fetched in one statement
+``fetch_max_bytes``           16777216   payload bytes after which a fetch takes no further
+                                         message (it always takes one, however large): one
+                                         fetch's result, all in memory at once, holds less
+                                         than this plus one message. A fetch that stops
+                                         short is followed by another while prefetch credit
+                                         remains
 ``max_message_size``          67108864   bytes of encoded message accepted by publish
                                          (at most 268435456)
 ``connect_timeout``           10         seconds to wait for a connection
@@ -144,6 +151,7 @@ from queue import Empty
 from typing import Any
 
 import psycopg
+from amqp.protocol import queue_declare_ok_t
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
@@ -161,7 +169,15 @@ from .envelope import (
 )
 from .fetcher import AsyncFetcher, Cooldown
 from .health import HorizonMonitor
-from .store import FetchedRow, NewMessage, Store, notify_channel, scheduled_channel
+from .store import (
+    FetchedRow,
+    NewMessage,
+    Store,
+    fetch_filled,
+    notify_channel,
+    scheduled_channel,
+    validate_schema_name,
+)
 from .urls import build_url, connect, mask_url, to_conninfo
 
 logger = logging.getLogger(__name__)
@@ -198,6 +214,7 @@ class Options:
     max_attempts: int = 20
     eta_threshold: float = 2.0
     fetch_limit: int = 100
+    fetch_max_bytes: int = 16 * 1024 * 1024
     max_message_size: int = 64 * 1024 * 1024
     connect_timeout: float = 10.0
     check_schema: bool = True
@@ -220,6 +237,10 @@ class Options:
             # Transaction pooling runs each statement on any server connection: a statement
             # psycopg prepared on one is unknown, or another statement, on the next.
             kwargs["prepare_threshold"] = None
+        if not self.listen:
+            # Poll-only is the mode for PgBouncer in transaction pooling, where a session
+            # setting would reach whichever client uses the server session next.
+            kwargs["pin_search_path"] = False
         return kwargs
 
     @classmethod
@@ -246,8 +267,7 @@ class Options:
         return opts
 
     def validate(self) -> None:
-        if not self.schema or len(self.schema) > 63:
-            raise exceptions.ConfigurationError(f"transport option schema={self.schema!r}")
+        validate_schema_name(self.schema)
         for name in ("polling_interval", "lease_seconds", "sweep_interval", "connect_timeout"):
             if getattr(self, name) <= 0:
                 raise exceptions.ConfigurationError(f"transport option {name} must be > 0")
@@ -256,10 +276,11 @@ class Options:
         if (
             self.max_attempts < 1
             or self.fetch_limit < 1
+            or self.fetch_max_bytes < 1
             or not 1024 <= self.max_message_size <= MAX_MESSAGE_SIZE_LIMIT
         ):
             raise exceptions.ConfigurationError(
-                "transport options max_attempts and fetch_limit must be >= 1, "
+                "transport options max_attempts, fetch_limit and fetch_max_bytes must be >= 1, "
                 f"max_message_size between 1024 and {MAX_MESSAGE_SIZE_LIMIT}"
             )
         for name in (
@@ -522,6 +543,13 @@ class Channel(virtual.Channel):
         else:
             self._auto_delete_queues.discard(queue)
 
+    def queue_declare(self, queue: str | None = None, passive: bool = False, **kwargs: Any) -> Any:
+        """As kombu's, except that a passive declaration of an existing queue declares nothing
+        (AMQP: it only asks whether the queue exists, whatever the arguments given)."""
+        if passive and queue and self._has_queue(queue):
+            return queue_declare_ok_t(queue, self._size(queue), 0)
+        return super().queue_declare(queue, passive=passive, **kwargs)
+
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         return self.store.has_queue(validate_queue_name(queue))
 
@@ -556,11 +584,12 @@ class Channel(virtual.Channel):
                     )
                 self._remember_exchange(exchange, stored)
             return
-        super().exchange_declare(
-            exchange, type, durable, auto_delete, arguments, nowait=nowait, passive=False
-        )
+        # The database first: a declaration it refuses leaves this process's state alone.
         self.store.declare_exchange(
             exchange, type, durable=durable, auto_delete=auto_delete, arguments=arguments
+        )
+        super().exchange_declare(
+            exchange, type, durable, auto_delete, arguments, nowait=nowait, passive=False
         )
 
     def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
@@ -881,8 +910,14 @@ class Channel(virtual.Channel):
         # has a message waiting.
         if noack_queues and (self._noack_due or ack_queues or not transport._skips_noack()):
             # Never with a fetcher of its own (see _own_fetcher).
-            out += self.consumer_store.fetch(noack_queues, limit, self.consumer_id, no_ack=True)
-            self._noack_due = len(out) >= limit  # more may be due
+            out += self.consumer_store.fetch(
+                noack_queues,
+                limit,
+                self.consumer_id,
+                no_ack=True,
+                max_bytes=self.options.fetch_max_bytes,
+            )
+            self._noack_due = fetch_filled(out, limit)  # more may be due
         if ack_queues and len(out) < limit:
             pairs = self._take_acks()
             if fetcher is not None:
@@ -908,13 +943,19 @@ class Channel(virtual.Channel):
                 return []  # the rows arrive with the reply (Transport._on_fetch_readable)
             with self._acks_kept_if_unwritten(pairs):
                 done, rows = self.consumer_store.ack_fetch(
-                    pairs, ack_queues, limit - len(out), self.consumer_id
+                    pairs,
+                    ack_queues,
+                    limit - len(out),
+                    self.consumer_id,
+                    max_bytes=self.options.fetch_max_bytes,
                 )
             self._acks_written(len(pairs), done)
             out += rows
         else:
             self.flush_acks()
-        self._more_due = self._starved = len(out) >= limit
+        # It filled its limit, or the byte budget stopped it with credit to spare: due
+        # messages may be left behind, to be fetched at once, not at a notification or poll.
+        self._more_due = self._starved = fetch_filled(out, limit)
         return out
 
     def _wait_fetch(self, fetcher: AsyncFetcher) -> list[FetchedRow]:
@@ -943,8 +984,9 @@ class Channel(virtual.Channel):
                 schema=self.options.schema,
                 asynchronous_commit=not self.options.synchronous_acks,
                 prepared=self.options.prepared_statements,
-                connect_timeout=self.options.connect_timeout,
                 keep_completed=self.options.keep_completed,
+                max_bytes=self.options.fetch_max_bytes,
+                **self.options.connect_kwargs,
             )
         return self._fetcher
 
@@ -952,7 +994,7 @@ class Channel(virtual.Channel):
         acked, rows, limit = result
         sent, self._fetch_acks = self._fetch_acks, 0
         self._acks_written(sent, acked)
-        self._more_due = self._starved = len(rows) >= limit
+        self._more_due = self._starved = fetch_filled(rows, limit)
         return rows
 
     def _release_fetch(self) -> None:
@@ -963,7 +1005,7 @@ class Channel(virtual.Channel):
         try:
             rows = self._wait_fetch(fetcher) if self.owned_by_this_process else []
             if rows:
-                self._settle("requeue", [make_tag(r.id, r.attempts) for r in rows])
+                self._settle("requeue", [make_tag(r.id, r.delivery) for r in rows])
         except Exception as exc:
             # Not lost: unregistering this consumer (or the sweeper) returns them.
             logger.warning(
@@ -1041,7 +1083,7 @@ class Channel(virtual.Channel):
     def _fail_undecodable(self, row: FetchedRow, reason: str) -> None:
         """Move a message no consumer could decode to ``failed`` with ``reason`` (fenced)."""
         if row.queue not in self._no_ack_queues:
-            self.consumer_store.fail([(row.id, row.attempts)], self.consumer_id, reason)
+            self.consumer_store.fail([row.tag], self.consumer_id, reason)
         logger.error(
             "message %s of queue %r moved to failed: %s",
             row.id,
@@ -1580,7 +1622,7 @@ class Transport(virtual.Transport):
         if not self.options.listen:
             return None, False
         if self._listener is None or self._listener.closed:
-            conn = connect(self.url, connect_timeout=self.options.connect_timeout)
+            conn = connect(self.url, **self.options.connect_kwargs)
             schema = self.options.schema
             for chan in (notify_channel(schema), scheduled_channel(schema)):
                 conn.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(chan)))
@@ -1842,7 +1884,7 @@ class Transport(virtual.Transport):
             self._cooldown.observe(len(rows))
         if channel.closed:  # closed meanwhile: never delivered
             if rows:
-                channel._settle("requeue", [make_tag(r.id, r.attempts) for r in rows])
+                channel._settle("requeue", [make_tag(r.id, r.delivery) for r in rows])
             return
         if fetcher.urgent:
             # Remote control committed before some of these rows: handled first, as when

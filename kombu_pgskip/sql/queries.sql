@@ -1,7 +1,7 @@
 -- All runtime SQL of kombu-pgskip, as named blocks: "-- name: one-line description".
 -- {schema} is replaced by the quoted schema identifier; values are always bound parameters.
--- Every transition out of 'running' is fenced by (locked_by, attempts): a consumer whose lease
--- was taken away changes nothing.
+-- Every transition out of 'running' is fenced by (locked_by, delivery): a consumer whose lease
+-- was taken away, or an ack of an earlier delivery of the same message, changes nothing.
 
 -- wake: (fragment, included as {@wake} in the select list over a CTE i of inserted rows with queue and status) the NOTIFY of one inserted message of a single-message publish: its queue if pending, else its due time (run_at) on the scheduled channel; run_at comes from the input, as a publisher role may not read it (grants.py)
 CASE WHEN i.status = 'pending' THEN pg_notify(%(channel)s, i.queue)
@@ -133,34 +133,68 @@ m AS MATERIALIZED (
     RETURNING id, queue, status
 )
 
--- due: (fragment, included as {@due}) up to limit due messages of the given queues, locked, round-robin across queues in delivery order
-SELECT x.id, x.priority,
-       row_number() OVER (PARTITION BY x.queue ORDER BY x.priority DESC, x.run_at, x.id) AS rn
-  FROM unnest(%(queues)s::text[]) AS q(name)
-  CROSS JOIN LATERAL (
-        SELECT id, queue, priority, run_at
-          FROM {schema}.jobs
-         WHERE jobs.queue = q.name
-           AND status = 'pending'
-           AND run_at <= now()
-           AND (expires_at IS NULL OR expires_at > now())
-         ORDER BY priority DESC, run_at, id
-         LIMIT %(limit)s
-           FOR UPDATE SKIP LOCKED
-  ) AS x
- ORDER BY x.priority DESC, rn
- LIMIT %(limit)s
+-- due: (fragment, included as {@due}) up to limit due messages of the given queues, locked, round-robin across queues in delivery order, and only while the payloads before a message total less than max_bytes (so the first one is always taken, however large); budget_full is true on the last one when the budget left a due message behind. Rows locked here but not taken stay pending when the statement ends
+-- Payload bytes: pg_column_size reads only the varlena header or the TOAST pointer, and for a
+-- value stored uncompressed that is its length (to within a header of at most 4 bytes). A
+-- compressed value's header holds its raw length too, but no function over json reads it: json
+-- has no binary-coercible cast to text (pg_cast has no json -> text row, so payload::text is an
+-- I/O conversion, json_out then textin, which detoasts and copies the whole value twice: 4 ms
+-- for 8 MB), and pg_column_size of a compressed value is what it takes on disk, a fraction of
+-- what the worker receives. So only compressed values are measured through the cast, and only
+-- as far as the budget goes: past only grows, and a window function that only grows compared
+-- with a constant is a run condition (PostgreSQL 15), which stops the WindowAgg at the first
+-- message past the budget. The sizes are then computed for the messages taken and one more
+-- (which the stop reads ahead), not for every message locked.
+SELECT b.id, b.priority, b.rn, coalesce(b.next_before >= %(max_bytes)s::bigint, false) AS budget_full
+  FROM (SELECT s.id, s.priority, s.rn,
+               count(*) FILTER (WHERE s.bytes_before >= %(max_bytes)s::bigint) OVER w AS past,
+               lead(s.bytes_before) OVER w AS next_before
+          FROM (SELECT c.id, c.priority, c.rn,
+                       sum(CASE WHEN c.packed IS NULL THEN c.stored
+                                ELSE octet_length(c.packed::text) END)
+                           OVER (ORDER BY c.priority DESC, c.rn, c.id
+                                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS bytes_before
+                  FROM (SELECT x.id, x.priority, x.stored, x.packed,
+                               row_number() OVER (PARTITION BY x.queue ORDER BY x.priority DESC, x.run_at, x.id) AS rn
+                          FROM unnest(%(queues)s::text[]) AS q(name)
+                          CROSS JOIN LATERAL (
+                                SELECT id, queue, priority, run_at, pg_column_size(payload) AS stored,
+                                       CASE WHEN pg_column_compression(payload) IS NOT NULL
+                                            THEN payload END AS packed
+                                  FROM {schema}.jobs
+                                 WHERE jobs.queue = q.name
+                                   AND status = 'pending'
+                                   AND run_at <= now()
+                                   AND (expires_at IS NULL OR expires_at > now())
+                                 ORDER BY priority DESC, run_at, id
+                                 LIMIT %(limit)s
+                                   FOR UPDATE SKIP LOCKED
+                          ) AS x
+                         -- id last: a total order, which the running sum above follows
+                         ORDER BY x.priority DESC, rn, x.id
+                         LIMIT %(limit)s) AS c) AS s
+        WINDOW w AS (ORDER BY s.priority DESC, s.rn, s.id ROWS UNBOUNDED PRECEDING)) AS b
+ -- <= 0, not = 0: PostgreSQL applies it as the run condition alone and still estimates limit
+ -- rows here; an equality stays a filter too, estimated to let one row in 200 through, and take
+ -- then joins the rows to jobs by a nested loop (5 ms instead of 1 for 100 messages).
+ WHERE b.past <= 0
 
--- take: (fragment, included as {@take} after a CTE named picked) mark the picked rows running under the consumer; returns what a consumer needs; the rows are looked up by id (= ANY), which a generic plan, estimating a tenth of the table for an unknown LIMIT, would otherwise hash-join by scanning the whole table
+-- take: (fragment, included as {@take} after a CTE named picked) mark the picked rows running under the consumer and stamp this delivery's token; returns what a consumer needs; the rows are looked up by id (= ANY), which a generic plan, estimating a tenth of the table for an unknown LIMIT, would otherwise hash-join by scanning the whole table
+-- The token (delivery, migration 0013) fences every transition out of this delivery
+-- (ack_fence, requeue, fail): the id of the transaction taking the row, 64 bits with its epoch
+-- and never reused, so no other delivery of the row carries it, whereas attempts (reset by
+-- retry-failed) and locked_by (a consumer keeps its id when it registers again) can repeat.
+-- Every fetch of the transport is a transaction of its own, which takes a row at most once.
 UPDATE {schema}.jobs AS jobs
-   SET status = 'running', locked_by = %(consumer)s, locked_at = now(), attempts = jobs.attempts + 1
+   SET status = 'running', locked_by = %(consumer)s, locked_at = now(), attempts = jobs.attempts + 1,
+       delivery = (SELECT pg_current_xact_id()::text::bigint)
   FROM picked
  WHERE jobs.id = picked.id
    AND jobs.id = ANY (ARRAY(SELECT id FROM picked))
 RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts, jobs.expires_at,
-          picked.priority, picked.rn
+          picked.priority, picked.rn, jobs.delivery, picked.budget_full
 
--- fetch: take up to limit due messages from the given queues, round-robin across queues, mark them running
+-- fetch: take up to limit due messages (and max_bytes of payload, at least one message) from the given queues, round-robin across queues, mark them running
 WITH picked AS ({@due})
 {@take};
 
@@ -173,7 +207,7 @@ WITH acked AS ({@ack_delete}), {@fetch_after_ack};
 -- fetch_after_ack: (fragment, included as {@fetch_after_ack} after a CTE named acked that returns one row per ack still ours) the fetch of ack_fetch and the row it returns
 picked AS ({@due}), taken AS ({@take})
 SELECT a.n, t.id, t.queue, t.payload, t.redelivered, t.attempts, t.expires_at, t.priority, t.rn,
-       a.urgent
+       t.delivery, t.budget_full, a.urgent
   FROM (SELECT count(*) AS n,
                EXISTS (SELECT 1
                          FROM unnest(%(urgent)s::text[]) AS uq(name)
@@ -189,15 +223,15 @@ SELECT a.n, t.id, t.queue, t.payload, t.redelivered, t.attempts, t.expires_at, t
           FROM acked) AS a
   LEFT JOIN taken AS t ON true
 
--- fetch_noack: take and delete up to limit due messages (no-ack consumers: remote control, events)
+-- fetch_noack: take and delete up to limit due messages (and max_bytes of payload, at least one message; no-ack consumers: remote control, events); their delivery token is 0, as nothing settles them
 WITH picked AS ({@due})
 DELETE FROM {schema}.jobs AS jobs
  USING picked
  WHERE jobs.id = picked.id
 RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts + 1, jobs.expires_at,
-          picked.priority, picked.rn;
+          picked.priority, picked.rn, 0::bigint, picked.budget_full;
 
--- ack: mark delivered messages completed (fenced); ids[k] was delivered as attempts[k]. Rows are found by id and their attempts looked up in the array, not joined to unnest(): a prepared statement's generic plan, which cannot know the arrays' sizes, then still reads each row once
+-- ack: mark delivered messages completed (fenced); ids[k] was delivered with the token deliveries[k]. Rows are found by id and their tokens looked up in the array, not joined to unnest(): a prepared statement's generic plan, which cannot know the arrays' sizes, then still reads each row once
 UPDATE {schema}.jobs AS jobs
    SET status = 'completed', finished_at = now(), locked_by = NULL
  WHERE {@ack_fence}
@@ -208,12 +242,12 @@ DELETE FROM {schema}.jobs AS jobs
  WHERE {@ack_fence}
 RETURNING jobs.id;
 
--- ack_fence: (fragment, included as {@ack_fence} in the WHERE of ack and ack_delete over jobs AS jobs) the delivered messages ids[k] as delivery attempts[k], only while still running under consumer
+-- ack_fence: (fragment, included as {@ack_fence} in the WHERE of ack and ack_delete over jobs AS jobs) the delivered messages ids[k] in the delivery that take stamped with the token deliveries[k], only while still running under consumer
 jobs.id = ANY (%(ids)s::bigint[])
-   AND jobs.attempts = (%(attempts)s::integer[])[array_position(%(ids)s::bigint[], jobs.id)]
+   AND jobs.delivery = (%(deliveries)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
    AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
 
--- requeue: return delivered messages to pending (fenced), or to failed past max_attempts deliveries
+-- requeue: return delivered messages to pending (fenced by their delivery tokens, as ack), or to failed past max_attempts deliveries
 WITH r AS (
     UPDATE {schema}.jobs AS jobs
        SET status = CASE WHEN jobs.attempts >= %(max_attempts)s THEN 'failed'
@@ -223,8 +257,8 @@ WITH r AS (
            last_error = CASE WHEN jobs.attempts >= %(max_attempts)s
                              THEN 'requeued after ' || jobs.attempts || ' deliveries (max_attempts)'
                              ELSE jobs.last_error END
-      FROM unnest(%(ids)s::bigint[], %(attempts)s::integer[]) AS a(id, attempts)
-     WHERE jobs.id = a.id AND jobs.attempts = a.attempts
+      FROM unnest(%(ids)s::bigint[], %(deliveries)s::bigint[]) AS a(id, delivery)
+     WHERE jobs.id = a.id AND jobs.delivery = a.delivery
        AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
     RETURNING jobs.id, jobs.queue, jobs.status
 ), n AS (
@@ -234,11 +268,11 @@ WITH r AS (
 SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM r WHERE status = 'failed'),
        (SELECT count(*) FROM n);
 
--- fail: move delivered messages to failed with a reason (fenced; reject without requeue)
+-- fail: move delivered messages to failed with a reason (fenced by their delivery tokens, as ack; reject without requeue)
 UPDATE {schema}.jobs AS jobs
    SET status = 'failed', finished_at = now(), locked_by = NULL, last_error = %(error)s
-  FROM unnest(%(ids)s::bigint[], %(attempts)s::integer[]) AS a(id, attempts)
- WHERE jobs.id = a.id AND jobs.attempts = a.attempts
+  FROM unnest(%(ids)s::bigint[], %(deliveries)s::bigint[]) AS a(id, delivery)
+ WHERE jobs.id = a.id AND jobs.delivery = a.delivery
    AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
 RETURNING jobs.id;
 
@@ -362,13 +396,17 @@ SELECT count(*) FROM d;
 -- size: messages ready for delivery in a queue
 SELECT count(*) FROM {schema}.jobs WHERE queue = %(queue)s AND status = 'pending';
 
--- declare_queue: create a queue or refresh its arguments
-INSERT INTO {schema}.queues (name, durable, auto_delete, arguments, max_priority, message_ttl, expires)
+-- declare_queue: create a queue, or refresh the x-expires clock of one declared with the same settings (auto_delete, x-max-priority, x-message-ttl, x-expires: AMQP fixes them at the first declaration); returns its name, and no row when the stored settings differ (nothing changed; queue_declaration reads them)
+INSERT INTO {schema}.queues AS q (name, durable, auto_delete, arguments, max_priority, message_ttl, expires)
 VALUES (%(name)s, %(durable)s, %(auto_delete)s, %(arguments)s, %(max_priority)s, %(message_ttl)s, %(expires)s)
 ON CONFLICT (name) DO UPDATE
-   SET durable = EXCLUDED.durable, auto_delete = EXCLUDED.auto_delete,
-       arguments = EXCLUDED.arguments, max_priority = EXCLUDED.max_priority,
-       message_ttl = EXCLUDED.message_ttl, expires = EXCLUDED.expires, last_used_at = now();
+   SET last_used_at = now()
+ WHERE (q.auto_delete, q.max_priority, q.message_ttl, q.expires)
+       IS NOT DISTINCT FROM (EXCLUDED.auto_delete, EXCLUDED.max_priority, EXCLUDED.message_ttl, EXCLUDED.expires)
+RETURNING q.name;
+
+-- queue_declaration: the settings a queue was declared with (no row when it does not exist)
+SELECT auto_delete, max_priority, message_ttl, expires FROM {schema}.queues WHERE name = %(name)s;
 
 -- live: (fragment, included as {@live} in a condition over a row q of queues) whether queue q is live: it has no x-expires, was used within it, or a consumer whose lease holds consumes it (found through consumer_queues, migration 0010; publish_routed writes the same test over its own CTE with a scan of consumers, which keeps that per-message statement on its generic plan)
 (q.expires IS NULL
@@ -461,12 +499,16 @@ SELECT b.queue
    AND {@live}
  ORDER BY b.queue;
 
--- declare_exchange: create an exchange or refresh its type and flags (the last declaration wins)
-INSERT INTO {schema}.exchanges (name, type, durable, auto_delete, arguments)
-VALUES (%(name)s, %(type)s, %(durable)s, %(auto_delete)s, %(arguments)s)
-ON CONFLICT (name) DO UPDATE
-   SET type = EXCLUDED.type, durable = EXCLUDED.durable, auto_delete = EXCLUDED.auto_delete,
-       arguments = EXCLUDED.arguments;
+-- declare_exchange: create an exchange unless one of that name exists; returns its stored type (AMQP: a declaration of another type fails, and changes nothing); no row when another session created it after this statement's snapshot was taken
+WITH created AS (
+    INSERT INTO {schema}.exchanges (name, type, durable, auto_delete, arguments)
+    VALUES (%(name)s, %(type)s, %(durable)s, %(auto_delete)s, %(arguments)s)
+    ON CONFLICT (name) DO NOTHING
+    RETURNING type
+)
+SELECT type FROM created
+UNION ALL
+SELECT type FROM {schema}.exchanges WHERE name = %(name)s AND NOT EXISTS (SELECT 1 FROM created);
 
 -- exchange_type: the type of a declared exchange (no row when undeclared)
 SELECT type FROM {schema}.exchanges WHERE name = %(name)s;
@@ -475,7 +517,7 @@ SELECT type FROM {schema}.exchanges WHERE name = %(name)s;
 WITH e AS (DELETE FROM {schema}.exchanges WHERE name = %(name)s RETURNING 1)
 SELECT count(*) FROM e;
 
--- bind: bind a queue to an exchange (creating either row if another process has not declared it yet)
+-- bind: bind a queue to an exchange (creating either row if another process has not declared it yet); a binding that exists stays as it is (its pattern follows from the routing key)
 WITH e AS (
     INSERT INTO {schema}.exchanges (name, type) VALUES (%(exchange)s, %(type)s)
     ON CONFLICT (name) DO NOTHING
@@ -485,8 +527,7 @@ WITH e AS (
 )
 INSERT INTO {schema}.bindings (exchange, queue, routing_key, arguments, pattern)
 VALUES (%(exchange)s, %(queue)s, %(routing_key)s, %(arguments)s, %(pattern)s)
-ON CONFLICT (exchange, queue, routing_key) DO UPDATE
-   SET arguments = EXCLUDED.arguments, pattern = EXCLUDED.pattern;
+ON CONFLICT (exchange, queue, routing_key) DO NOTHING;
 
 -- unbind: remove one binding
 DELETE FROM {schema}.bindings

@@ -76,6 +76,28 @@ def test_status_and_purge_report_exact_counts(db_url: str) -> None:
         assert conn.execute("SELECT queue FROM pgskip.jobs").fetchall() == [("emails",)]
 
 
+def test_celery_pgskip_doctor_and_queue_args_act_as_the_owner(db_url: str) -> None:
+    """(As the superuser that owns the test schema: the owner's commands through Celery's CLI;
+    tests/chaos/test_hostile_roles.py runs them against real roles.)"""
+    broker = _broker(db_url)
+    doctor = celery("pgskip", "doctor", broker=broker)
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert "ok    routines not executable by PUBLIC" in doctor.stdout
+    app = Celery("publisher", broker=broker, set_as_current=False)
+    app.send_task("taskapp.record", args=("x",), queue="default")
+    app.close()
+    changed = celery(
+        "pgskip", "queue-args", "default", "--set", "x-expires=60000", "--url", db_url,
+        broker=broker,
+    )  # fmt: skip
+    assert changed.returncode == 0, changed.stderr
+    assert "queue 'default': x-expires none -> 60000" in changed.stdout
+    shown = celery("pgskip", "queue-args", "default", broker=broker)
+    assert shown.stdout.strip() == """queue 'default': {"x-expires": 60000}"""
+    missing = celery("pgskip", "queue-args", "nope", "--set", "x-expires=1", broker=broker)
+    assert missing.returncode == 1 and "no queue 'nope'" in missing.stderr
+
+
 def test_worker_against_a_database_without_schema_says_run_migrate(empty_db_url: str) -> None:
     result = run(
         [sys.executable, "-m", "celery", "-A", "taskapp", "worker", "-P", "solo",

@@ -43,6 +43,10 @@ SECRET = "s3cret-Pa55"
     [
         f"pgskip://app:{SECRET}@[::1/db",  # libpq echoes the whole URI in its message
         f"pgskip://app:p@ss:{SECRET}@db.internal/app",  # unencoded "@" in the password
+        f"pgskip://app:p:{SECRET}@db.internal/app",  # unencoded ":" in the password
+        f"pgskip://app:{SECRET}@db.internal?application_name=me@x",  # "@" after "?"
+        f"pgskip://app@db.internal/app?sslpassword={SECRET}%zz",  # any secret libpq option
+        f"pgskip://app@db.internal/app?oauth_client_secret={SECRET}&no_such_option=1",
         f"pgskip://app:{SECRET}%zz@db.internal/app",  # bad percent-encoding
         f"pgskip://app:{SECRET}@db.internal/app?sslmode",  # option without a value
         f"pgskip://app:{SECRET}@db.internal/app?no_such_option=1",

@@ -539,7 +539,7 @@ def test_the_event_loop_fetch_is_planned_once_and_still_fences_acks(db_url: str)
             acked, rows, _limit = result
             assert acked == len(tags)
             seen += len(rows)
-            tags = [(r.id, r.attempts) for r in rows]
+            tags = [r.tag for r in rows]
         assert seen == 36
         assert fetcher._conn is not None
         plans = fetcher._conn.execute(
@@ -547,8 +547,8 @@ def test_the_event_loop_fetch_is_planned_once_and_still_fences_acks(db_url: str)
             " WHERE name = 'pgskip_ack_fetch'"
         ).fetchone()
         assert plans == (12, 0)
-        # The last three rows are ours as delivery 1; an ack naming delivery 2 is stale.
-        fetcher.send([(row_id, attempts + 1) for row_id, attempts in tags], ["planned"], 0, me)
+        # The last three rows are ours; an ack naming another delivery of them is stale.
+        fetcher.send([(row_id, delivery + 1) for row_id, delivery in tags], ["planned"], 0, me)
         result = fetcher.wait()
         assert result is not None and result[0] == 0
         assert _statuses(db_url).count("running") == 3

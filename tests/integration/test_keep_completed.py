@@ -133,10 +133,10 @@ def test_an_ack_from_a_consumer_that_lost_the_message_deletes_nothing(db_url: st
         for who in (me, other):
             store.register_consumer(who, hostname="test", queues=["kc_fenced"], lease=30)
         (row,) = store.fetch(["kc_fenced"], 10, me)
-        assert store.ack([(row.id, row.attempts)], other) == 0
-        assert store.ack([(row.id, row.attempts + 1)], me) == 0
+        assert store.ack([row.tag], other) == 0
+        assert store.ack([(row.id, row.delivery + 1)], me) == 0
         assert _counts(db_url) == {"running": 1}
-        done, rows = store.ack_fetch([(row.id, row.attempts)], ["kc_fenced"], 10, me)
+        done, rows = store.ack_fetch([row.tag], ["kc_fenced"], 10, me)
         assert (done, rows) == (1, [])
         assert _counts(db_url) == {}
     finally:

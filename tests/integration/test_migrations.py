@@ -6,6 +6,7 @@ import threading
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from kombu_pgskip import exceptions
 from kombu_pgskip.migrate import check_schema, latest_version, load_migrations, migrate
@@ -90,6 +91,40 @@ def test_custom_schema_name(empty_db_url: str) -> None:
         )
         row = conn.execute('CALL "Queue Schema".prune_in_batches()').fetchone()
         assert row == (1, 0, 0)
+
+
+def test_the_longest_schema_name_works_and_a_longer_one_is_refused_before_anything(
+    empty_db_url: str,
+) -> None:
+    """Its notification channel ``pgskip:<schema>:scheduled`` is a PostgreSQL identifier, at most
+    63 bytes: a 46-byte schema name is the longest that still publishes and wakes workers."""
+    from kombu import Connection, Queue
+
+    from kombu_pgskip.store import MAX_SCHEMA_BYTES, Store
+
+    longest, longer = "é" * (MAX_SCHEMA_BYTES // 2), "s" * (MAX_SCHEMA_BYTES + 1)
+    assert len(longest.encode()) == MAX_SCHEMA_BYTES == 46
+    migrate(empty_db_url, schema=longest)
+    broker = empty_db_url.replace("postgresql://", "pgskip://", 1)
+    with Connection(broker, transport_options={"schema": longest}) as conn:
+        queue = Queue("q")(conn.channel())
+        queue.declare()
+        conn.default_channel.basic_publish(conn.default_channel.prepare_message("x"), "", "q")
+        conn.default_channel.basic_publish(
+            conn.default_channel.prepare_message("later", headers={"eta": "2100-01-01"}), "", "q"
+        )  # a scheduled message: its due time goes out on the longer channel
+        assert queue.get(no_ack=True).body == b"x"
+    for refused in (
+        lambda: migrate(empty_db_url, schema=longer),
+        lambda: Store(empty_db_url, schema=longer),
+        lambda: Connection(broker, transport_options={"schema": longer}).connect(),
+    ):
+        with pytest.raises(exceptions.ConfigurationError, match="1 to 46 bytes of UTF-8"):
+            refused()
+    with psycopg.connect(empty_db_url) as conn:
+        assert conn.execute("SELECT to_regnamespace(%s)", (longer,)).fetchone() == (None,)
+        scheduled = sql.SQL("SELECT count(*) FROM {}.jobs WHERE status = 'scheduled'")
+        assert conn.execute(scheduled.format(sql.Identifier(longest))).fetchone() == (1,)
 
 
 def test_missing_schema_names_the_migrate_command(empty_db_url: str) -> None:

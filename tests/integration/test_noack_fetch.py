@@ -205,10 +205,11 @@ def test_the_task_fetch_looks_into_the_no_ack_queues_by_index(db_url: str) -> No
         assert fetcher.urgent
         values = {
             "ids": "'{}'",
-            "attempts": "'{}'",
+            "deliveries": "'{}'",
             "consumer": f"'{me}'",
             "queues": "'{tasks}'",
             "limit": "100",
+            "max_bytes": "16777216",
             "urgent": "'{control,events}'",
         }
         args = ", ".join(values[name] for name in fetcher._order)

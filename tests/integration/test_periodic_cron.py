@@ -31,6 +31,12 @@ def limited_role(db_url: str, pg_cron_database: str) -> Iterator[tuple[str, str]
         conn.execute(
             sql.SQL("GRANT ALL ON ALL TABLES IN SCHEMA pgskip TO {}").format(sql.Identifier(role))
         )
+        # beat-sync is the owner's: it computes the first slots with the schema's functions.
+        conn.execute(
+            sql.SQL("GRANT EXECUTE ON ALL ROUTINES IN SCHEMA pgskip TO {}").format(
+                sql.Identifier(role)
+            )
+        )
     url = db_url.replace("postgres@", f"{role}@", 1)
     try:
         yield role, url

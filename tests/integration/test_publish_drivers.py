@@ -120,7 +120,7 @@ def test_store_statements_with_uuid_and_array_parameters_run_on_the_connection(
         assert store.size(queue) == 1
         fetched = store.fetch([queue, "no-such-queue"], 5, consumer)  # text[] and uuid
         assert [row.payload["headers"]["id"] for row in fetched] == [tid]
-        assert store.ack([(fetched[0].id, fetched[0].attempts)], consumer) == 1
+        assert store.ack([fetched[0].tag], consumer) == 1
         raise Rollback
     assert count_jobs(shared_db, tid) == 0
 

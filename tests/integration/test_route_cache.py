@@ -20,6 +20,7 @@ import kombu_pgskip  # noqa: F401  (registers pgskip://)
 import kombu_pgskip.store as store_module
 from kombu_pgskip.grants import PUBLISHER_PRIVILEGES
 from kombu_pgskip.migrate import load_migrations, migrate
+from kombu_pgskip.queue_args import set_queue_arguments
 from kombu_pgskip.store import Store
 
 
@@ -104,10 +105,12 @@ def test_an_exchange_retyped_elsewhere_routes_by_its_new_type(
     connections: Any, db_url: str
 ) -> None:
     """A direct binding has no topic pattern: once the exchange is a topic exchange, the key
-    that matched the direct binding matches nothing."""
+    that matched the direct binding matches nothing. (A declaration of another type is
+    refused; the schema's owner can still change it.)"""
     worker, caller = connections(), connections()
     producer = _remembering(worker, caller)
-    worker.default_channel.store.declare_exchange("tasks", "topic")
+    with psycopg.connect(db_url, autocommit=True) as owner:
+        owner.execute("UPDATE pgskip.exchanges SET type = 'topic' WHERE name = 'tasks'")
     producer.publish({"i": 3})
     assert _counts(db_url) == {"q1": 2}
 
@@ -166,9 +169,10 @@ def test_every_routing_change_moves_the_epoch(db_url: str) -> None:
         assert moved()
         store.bind("q", "ex", "k", type="direct")
         assert not moved()
-        store.declare_exchange("ex", "fanout")
+        with psycopg.connect(db_url, autocommit=True) as owner:  # a retype is the owner's
+            owner.execute("UPDATE pgskip.exchanges SET type = 'fanout' WHERE name = 'ex'")
         assert moved()
-        store.declare_queue("q", arguments={"x-expires": 60_000})
+        set_queue_arguments(db_url, "pgskip", "q", set={"x-expires": 60_000})
         assert moved()
         store.unbind("q", "ex", "k")
         assert moved()
@@ -184,9 +188,22 @@ def test_every_routing_change_moves_the_epoch(db_url: str) -> None:
         store.close()
 
 
+#: What ``pgskip grant --publisher`` gave up to migration 0004.
+PUBLISHER_GRANTS_OF_0004 = (
+    ("jobs", "INSERT", ()),
+    ("jobs", "SELECT", ("id", "queue", "status")),
+    ("queues", "SELECT, INSERT, UPDATE", ()),
+    ("exchanges", "SELECT, INSERT, UPDATE", ()),
+    ("bindings", "SELECT, INSERT, UPDATE", ()),
+    ("consumers", "SELECT", ()),
+    ("migrations", "SELECT", ()),
+)
+
+
 def test_an_upgraded_publisher_role_may_read_the_epoch(empty_db_url: str) -> None:
     """Migration 0005 grants the epoch, and 0010 consumer_queues, to every role that could
-    publish before them, so an upgrade needs no second `pgskip grant`."""
+    publish before them, so an upgrade needs no second `pgskip grant`; 0012 narrows what
+    such a role may write to what `pgskip grant` gives a publisher."""
     migrations = load_migrations()
     role = f"pub_{uuid.uuid4().hex[:8]}"
     ident = sql.Identifier(role)
@@ -209,9 +226,7 @@ def test_an_upgraded_publisher_role_may_read_the_epoch(empty_db_url: str) -> Non
                         "INSERT INTO pgskip.migrations VALUES (%s, %s, %s)",
                         (m.version, m.name, m.checksum),
                     )
-                for table, privileges, columns in PUBLISHER_PRIVILEGES:
-                    if table in ("routing_epoch", "consumer_queues"):  # 0005, 0010
-                        continue
+                for table, privileges, columns in PUBLISHER_GRANTS_OF_0004:
                     cols = (
                         sql.SQL("({})").format(sql.SQL(", ").join(map(sql.Identifier, columns)))
                         if columns
@@ -228,6 +243,26 @@ def test_an_upgraded_publisher_role_may_read_the_epoch(empty_db_url: str) -> Non
                 conn.execute(sql.SQL("SET LOCAL ROLE {}").format(ident))
                 assert conn.execute("SELECT n FROM pgskip.routing_epoch").fetchone() is not None
                 assert conn.execute("SELECT count(*) FROM pgskip.consumer_queues").fetchone()
+            granted = {
+                (table, privilege, column)
+                for table, privilege, column in conn.execute(
+                    "SELECT c.relname, a.privilege_type, NULL FROM pg_class AS c,"
+                    " aclexplode(c.relacl) AS a WHERE c.relnamespace = 'pgskip'::regnamespace"
+                    " AND a.grantee = %(role)s::regrole"
+                    " UNION SELECT c.relname, a.privilege_type, att.attname::text"
+                    " FROM pg_attribute AS att JOIN pg_class AS c ON c.oid = att.attrelid,"
+                    " aclexplode(att.attacl) AS a WHERE c.relnamespace = 'pgskip'::regnamespace"
+                    " AND a.grantee = %(role)s::regrole",
+                    {"role": role},
+                ).fetchall()
+            }
+            expected = {
+                (table, privilege.strip(), column)
+                for table, privileges, columns in PUBLISHER_PRIVILEGES
+                for privilege in privileges.split(",")
+                for column in (columns or (None,))
+            }
+            assert granted == expected
         finally:
             conn.execute(sql.SQL("DROP OWNED BY {}").format(ident))
             conn.execute(sql.SQL("DROP ROLE {}").format(ident))

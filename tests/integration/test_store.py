@@ -53,7 +53,7 @@ def test_fetch_marks_rows_running_and_ack_completes_them(store: Store, db_url: s
     assert [r.id for r in rows] == ids
     assert all(r.attempts == 1 and not r.redelivered for r in rows)
     assert set(_status(db_url).values()) == {"running"}
-    assert store.ack([(r.id, r.attempts) for r in rows], c) == 3
+    assert store.ack([r.tag for r in rows], c) == 3
     assert set(_status(db_url).values()) == {"completed"}
 
 
@@ -99,16 +99,16 @@ def test_ack_from_a_consumer_that_lost_the_lease_changes_nothing(store: Store, d
     new = _consumer(store, ["q"])
     (again,) = store.fetch(["q"], 1, new)
     assert again.id == row.id and again.redelivered and again.attempts == 2
-    assert store.ack([(row.id, row.attempts)], old) == 0
+    assert store.ack([row.tag], old) == 0
     assert _status(db_url)[row.id] == "running"
-    assert store.ack([(again.id, again.attempts)], new) == 1
+    assert store.ack([again.tag], new) == 1
 
 
 def test_requeue_returns_to_pending_with_redelivered_set(store: Store) -> None:
     _publish(store, "q")
     c = _consumer(store, ["q"])
     (row,) = store.fetch(["q"], 1, c)
-    assert store.requeue([(row.id, row.attempts)], c, max_attempts=5) == (1, 0)
+    assert store.requeue([row.tag], c, max_attempts=5) == (1, 0)
     (again,) = store.fetch(["q"], 1, c)
     assert again.redelivered and again.attempts == 2
 
@@ -118,7 +118,7 @@ def test_requeue_past_max_attempts_goes_to_failed_with_reason(store: Store, db_u
     c = _consumer(store, ["q"])
     for _ in range(2):
         (row,) = store.fetch(["q"], 1, c)
-        store.requeue([(row.id, row.attempts)], c, max_attempts=2)
+        store.requeue([row.tag], c, max_attempts=2)
     assert _status(db_url)[row.id] == "failed"
     with psycopg.connect(db_url) as conn:
         (error,) = conn.execute("SELECT last_error FROM pgskip.jobs").fetchone()  # type: ignore[misc]
@@ -129,7 +129,7 @@ def test_reject_without_requeue_is_a_dead_letter(store: Store, db_url: str) -> N
     _publish(store, "q")
     c = _consumer(store, ["q"])
     (row,) = store.fetch(["q"], 1, c)
-    assert store.fail([(row.id, row.attempts)], c, "bad message") == 1
+    assert store.fail([row.tag], c, "bad message") == 1
     assert _status(db_url)[row.id] == "failed"
     assert store.size("q") == 0
 
@@ -204,7 +204,7 @@ def test_concurrent_fetchers_never_receive_the_same_message(db_url: str) -> None
         c = _consumer(s, ["q"])
         while rows := s.fetch(["q"], 7, c):
             seen[slot] += [r.id for r in rows]
-            s.ack([(r.id, r.attempts) for r in rows], c)
+            s.ack([r.tag for r in rows], c)
         s.close()
 
     threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
@@ -233,7 +233,7 @@ def test_fetch_plan_uses_the_partial_dequeue_index(store: Store, db_url: str) ->
             r[0]
             for r in conn.execute(
                 psycopg.sql.SQL("EXPLAIN ") + query,
-                {"queues": ["q"], "limit": 10, "consumer": uuid.uuid4()},
+                {"queues": ["q"], "limit": 10, "max_bytes": 2**24, "consumer": uuid.uuid4()},
             )
         )
     assert "jobs_dequeue" in plan, plan

@@ -1,0 +1,24 @@
+-- 0013_delivery_token: every delivery of a message carries a token that no other delivery of it
+-- ever carries, and every transition out of 'running' is fenced by it.
+--
+-- The fence was (locked_by, attempts). Both can repeat for the same row: retry-failed puts a
+-- failed message back to pending with attempts = 0, and a consumer that lost its lease keeps its
+-- id when it registers again. An ack of an earlier delivery still waiting in a worker (acks are
+-- batched) then matched the later delivery of the same message to the same consumer, and marked
+-- it completed while it ran again, or before it ran.
+--
+-- The fetch (take in kombu_pgskip/sql/queries.sql) stamps `delivery` with the id of the
+-- transaction that takes the row (pg_current_xact_id(): 64 bits with its epoch, never reused)
+-- and returns it in the delivery tag; ack, requeue and fail match it. attempts keeps its meaning
+-- (deliveries so far: max_attempts, retry-failed, what operators see).
+--
+-- Code of the previous version may run against this schema while a deploy rolls: it neither
+-- sets nor reads `delivery`, and its own fence (attempts) keeps working for its own deliveries.
+-- A row that the previous version took keeps a stale token or NULL; no consumer of this version
+-- holds it (locked_by is the consumer of that version), so none of their acks can match it.
+--
+-- A nullable column without a default is a catalog change only: no row is rewritten. It stays
+-- out of every index, as the other columns that change at every delivery do. Workers hold
+-- table-level privileges on jobs (`pgskip grant`: SELECT, INSERT, UPDATE, DELETE), which cover
+-- a new column; publishers neither read nor write it. So no grant is needed.
+ALTER TABLE jobs ADD COLUMN IF NOT EXISTS delivery bigint;
