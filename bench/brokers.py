@@ -1,6 +1,6 @@
 """The four brokers under test, started or found, each in its own place.
 
-* ``pgskip``: an :class:`~kombu_pgskip.embedded.EmbeddedPostgres` with ``fsync`` on (durable
+* ``pgskip``: an :class:`~kombu_pgskip.testing.embedded.EmbeddedPostgres` with ``fsync`` on (durable
   commits, as in production), database ``pgskip_bench``, schema migrated.
 * ``pgskip-async``: the same database with the transport option ``durable_publish=False``:
   publishes commit with ``synchronous_commit=off``, the opt-in mode whose risk is that the last
@@ -183,7 +183,7 @@ class BenchEnv:
         names = ("pgskip", "pgskip-async", "sqlalchemy")
         try:
             from kombu_pgskip import migrate
-            from kombu_pgskip.embedded import EmbeddedPostgres
+            from kombu_pgskip.testing.embedded import EmbeddedPostgres
 
             self.pg = EmbeddedPostgres(fsync=True, pg_cron=False).start()
             with psycopg.connect(self.pg.dsn(), autocommit=True) as conn:

@@ -343,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
 
-    from kombu_pgskip.embedded import EmbeddedPostgres
     from kombu_pgskip.migrate import migrate
+    from kombu_pgskip.testing.embedded import EmbeddedPostgres
     from tests.helpers import make_url
 
     def log(msg: str) -> None:

@@ -616,7 +616,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     from kombu_pgskip import migrate
-    from kombu_pgskip.embedded import EmbeddedPostgres
+    from kombu_pgskip.testing.embedded import EmbeddedPostgres
 
     parser = argparse.ArgumentParser(prog="python -m bench.profile")
     parser.add_argument("--tasks", type=int, default=5000)

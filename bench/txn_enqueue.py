@@ -132,8 +132,8 @@ def _set_commit_delay(url: str, delay_us: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from kombu_pgskip.embedded import EmbeddedPostgres
     from kombu_pgskip.migrate import migrate
+    from kombu_pgskip.testing.embedded import EmbeddedPostgres
 
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     parser = argparse.ArgumentParser(prog="python -m bench.txn_enqueue")

@@ -32,7 +32,7 @@ def database(url: str | None) -> Iterator[str]:
     if url:
         yield url
         return
-    from kombu_pgskip.embedded import EmbeddedPostgres
+    from kombu_pgskip.testing.embedded import EmbeddedPostgres
 
     with EmbeddedPostgres() as pg:
         say(f"started a throwaway PostgreSQL on port {pg.port} (data in {pg.data_dir})")

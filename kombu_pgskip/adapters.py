@@ -35,6 +35,7 @@ from psycopg import pq, sql
 from psycopg.rows import tuple_row
 
 from . import exceptions
+from .sql import quote_ident
 
 Rows = list[tuple[Any, ...]]
 #: a statement as psycopg 3 takes it
@@ -60,16 +61,6 @@ class AfterCommit(Protocol):
 
 
 _C = TypeVar("_C", bound=AfterCommit)
-
-
-def quote_ident(name: str) -> str:
-    """``name`` as a PostgreSQL quoted identifier: in double quotes, inner double quotes doubled.
-
-    For drivers other than psycopg 3, which quotes with :class:`psycopg.sql.Identifier`.
-    """
-    if not name or "\x00" in name:
-        raise exceptions.ConfigurationError(f"invalid identifier {name!r}")
-    return '"' + name.replace('"', '""') + '"'
 
 
 def pyformat_text(template: str, schema: str) -> str:

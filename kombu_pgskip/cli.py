@@ -1,8 +1,18 @@
-"""``celery -A proj pgskip ...`` subcommands, and ``python -m kombu_pgskip ...`` for deploy scripts.
+"""The ``pgskip`` command line: one click group, run by two entry points.
 
-Celery finds the ``pgskip`` group through the ``celery.commands`` entry point; importing this
-module imports :mod:`kombu_pgskip`, which registers the ``pgskip://`` scheme in every ``celery``
-CLI process (worker, inspect, events, purge, flower).
+``celery -A proj pgskip <command>`` (Celery finds the group through the ``celery.commands``
+entry point) and ``python -m kombu_pgskip <command>`` (also the ``kombu-pgskip`` script, for
+deploy scripts without a Celery app) run the same commands with the same options. A command acts
+on ``--url`` when given (env ``PGSKIP_URL``; the owner's commands ``grant``, ``doctor`` and
+``queue-args`` read ``PGSKIP_OWNER_URL`` first), else on the Celery app's broker URL; without
+either it stops with a usage error. The schema is ``--schema``, else the app's
+``broker_transport_options['schema']``, else ``pgskip``. ``beat-sync`` reads the app's
+``beat_schedule`` and so runs under Celery only; ``tick`` and ``maintenance`` take their
+settings from their options, over ``app.conf.pgskip_maintenance`` when there is an app.
+
+Each command's work is a ``do_*`` function; the click commands only resolve where it acts.
+Importing this module imports :mod:`kombu_pgskip`, which registers the ``pgskip://`` scheme in
+every ``celery`` CLI process (worker, inspect, events, purge, flower).
 """
 
 from __future__ import annotations
@@ -84,7 +94,7 @@ def do_status(target: Target) -> None:
         )
         for r in rows
     ]
-    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(row[i]) for row in table)]) for i, h in enumerate(headers)]
     click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
     for row in table:
         click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
@@ -149,133 +159,6 @@ def do_doctor(target: Target) -> None:
     if failed:
         click.echo(f"{failed} of {len(checks)} checks failed", err=True)
         sys.exit(1)
-
-
-def queue_args_options(func: Any) -> Any:
-    """The arguments and options of ``queue-args`` (here and in ``__main__``)."""
-    func = click.option(
-        "--unset", multiple=True, metavar="KEY", help="Remove an argument (repeatable)."
-    )(func)
-    func = click.option(
-        "--set",
-        "assignments",
-        multiple=True,
-        metavar="KEY=VALUE",
-        help="Set an argument, e.g. x-expires=60000 (milliseconds; repeatable).",
-    )(func)
-    return click.argument("queue")(func)
-
-
-_schema_option = click.option(
-    "--schema",
-    default=None,
-    help="Schema name (default: broker_transport_options['schema'] or 'pgskip').",
-)
-
-
-@click.group(name="pgskip")
-@click.pass_context
-def pgskip(ctx: click.Context) -> None:
-    """kombu-pgskip: the PostgreSQL broker's schema and operations."""
-
-
-def _target(ctx: click.Context, schema: str | None) -> Target:
-    obj = ctx.find_root().obj
-    app = getattr(obj, "app", None)
-    if app is None:
-        raise click.UsageError("no Celery app: run as `celery -A proj pgskip ...`")
-    return Target.from_app(app, schema)
-
-
-@pgskip.command(name="migrate")
-@click.option("--dry-run", is_flag=True, help="Print the SQL that would run; change nothing.")
-@_schema_option
-@click.pass_context
-def migrate_cmd(ctx: click.Context, dry_run: bool, schema: str | None) -> None:
-    """Install or upgrade the schema (safe to run concurrently; idempotent)."""
-    do_migrate(_target(ctx, schema), dry_run)
-
-
-@pgskip.command(name="status")
-@_schema_option
-@click.pass_context
-def status_cmd(ctx: click.Context, schema: str | None) -> None:
-    """A table per queue: pending, running, scheduled, failed, oldest pending, done per minute."""
-    do_status(_target(ctx, schema))
-
-
-def grant_options(func: Any) -> Any:
-    """The --worker/--publisher/--dry-run options of ``grant`` (here and in ``__main__``)."""
-    func = click.option("--dry-run", is_flag=True, help="Print the GRANTs; change nothing.")(func)
-    func = click.option(
-        "--publisher", "publishers", multiple=True, help="Role that only publishes (repeatable)."
-    )(func)
-    return click.option(
-        "--worker", "workers", multiple=True, help="Role that runs workers (repeatable)."
-    )(func)
-
-
-_owner_url_option = click.option(
-    "--url",
-    envvar="PGSKIP_OWNER_URL",
-    default=None,
-    help="Connect as the schema's owner (default: the app's broker_url).",
-)
-
-
-def _owner_target(ctx: click.Context, schema: str | None, url: str | None) -> Target:
-    """Where an owner's command acts: the app's broker, or ``--url`` (the owner's)."""
-    target = _target(ctx, schema)
-    return Target(url, target.schema) if url else target
-
-
-@pgskip.command(name="grant")
-@grant_options
-@_owner_url_option
-@_schema_option
-@click.pass_context
-def grant_cmd(
-    ctx: click.Context,
-    workers: tuple[str, ...],
-    publishers: tuple[str, ...],
-    url: str | None,
-    dry_run: bool,
-    schema: str | None,
-) -> None:
-    """Grant a worker role and a publisher role only what they need (see docs/security.md)."""
-    do_grant(_owner_target(ctx, schema, url), list(workers), list(publishers), dry_run)
-
-
-@pgskip.command(name="doctor")
-@_owner_url_option
-@_schema_option
-@click.pass_context
-def doctor_cmd(ctx: click.Context, url: str | None, schema: str | None) -> None:
-    """Check the schema's privileges and functions for what would let a worker or publisher
-    role destroy messages or run code as the owner; exits 1 when a check fails."""
-    do_doctor(_owner_target(ctx, schema, url))
-
-
-@pgskip.command(name="queue-args")
-@queue_args_options
-@_owner_url_option
-@_schema_option
-@click.pass_context
-def queue_args_cmd(
-    ctx: click.Context,
-    queue: str,
-    assignments: tuple[str, ...],
-    unset: tuple[str, ...],
-    url: str | None,
-    schema: str | None,
-) -> None:
-    """Show or change a declared queue's arguments (x-expires, x-message-ttl, x-max-priority),
-    as the schema's owner: declarations cannot change them."""
-    do_queue_args(_owner_target(ctx, schema, url), queue, assignments, unset)
-
-
-# -- periodic tasks, pg_cron maintenance, failed messages --------------------------------------
-# (kombu_pgskip.periodic, kombu_pgskip.maintenance; shared with ``python -m kombu_pgskip``)
 
 
 def _fmt_time(value: Any, tz: Any = None) -> str:
@@ -472,7 +355,106 @@ def do_purge_failed(target: Target, filt: Any) -> None:
     click.echo(f"{count} failed messages deleted")
 
 
-def failed_filters(func: Any) -> Any:
+# -- the command line ----------------------------------------------------------------------------
+
+
+class AppCommand(click.Command):
+    """A command that reads the Celery app's configuration, not only its broker URL: it runs
+    under ``celery -A proj pgskip`` only."""
+
+
+class PgSkipGroup(click.Group):
+    """The commands of both entry points. Without a Celery app (``python -m kombu_pgskip``) the
+    :class:`AppCommand` commands are left out of ``--help``, and naming one is a usage error
+    that says to run it as ``celery -A proj pgskip <command>``."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        if _app_or_none(ctx) is not None:
+            return names
+        return [n for n in names if not isinstance(self.commands.get(n), AppCommand)]
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        name, command, rest = super().resolve_command(ctx, args)
+        if (
+            isinstance(command, AppCommand)
+            and _app_or_none(ctx) is None
+            and not ctx.resilient_parsing
+        ):
+            raise click.UsageError(
+                f"{name} needs the Celery app: run it as `celery -A proj pgskip {name}`", ctx
+            )
+        return name, command, rest
+
+
+@click.group(name="pgskip", cls=PgSkipGroup)
+def pgskip() -> None:
+    """kombu-pgskip: the PostgreSQL broker's schema and operations.
+
+    Under `celery -A proj pgskip` a command acts on the app's broker_url and
+    broker_transport_options['schema']; --url and --schema override them. Without a Celery
+    app (`python -m kombu_pgskip`, `kombu-pgskip`) pass --url or set $PGSKIP_URL.
+    """
+
+
+def _app_or_none(ctx: click.Context) -> Any:
+    """The Celery app when ``celery -A proj`` runs the group, else None."""
+    return getattr(ctx.find_root().obj, "app", None)
+
+
+def _app(ctx: click.Context) -> Any:
+    app = _app_or_none(ctx)
+    if app is None:
+        raise click.UsageError(
+            f"no Celery app: run it as `celery -A proj pgskip {ctx.info_name}`", ctx
+        )
+    return app
+
+
+def _target(ctx: click.Context, url: str | None, schema: str | None) -> Target:
+    """Where a command acts: ``--url`` (or its environment variable), else the Celery app's
+    broker; the schema is ``--schema``, else the app's ``broker_transport_options['schema']``,
+    else ``pgskip``. Without either URL this is a usage error."""
+    app = _app_or_none(ctx)
+    if url:
+        options = (app.conf.broker_transport_options or {}) if app is not None else {}
+        return Target(url, schema or options.get("schema", DEFAULT_SCHEMA))
+    if app is None:
+        raise click.UsageError(
+            "no broker URL: pass --url (or set $PGSKIP_URL), "
+            f"or run it as `celery -A proj pgskip {ctx.info_name}`",
+            ctx,
+        )
+    return Target.from_app(app, schema)
+
+
+_url_option = click.option(
+    "--url",
+    envvar="PGSKIP_URL",
+    default=None,
+    help="Connect here: pgskip://... or postgresql://... (env PGSKIP_URL; "
+    "default under Celery: the app's broker_url).",
+)
+
+_owner_url_option = click.option(
+    "--url",
+    envvar=["PGSKIP_OWNER_URL", "PGSKIP_URL"],
+    default=None,
+    help="Connect as the schema's owner: pgskip://... or postgresql://... (env "
+    "PGSKIP_OWNER_URL, then PGSKIP_URL; default under Celery: the app's broker_url).",
+)
+
+_schema_option = click.option(
+    "--schema",
+    default=None,
+    help="Schema name (default: broker_transport_options['schema'] under Celery, else "
+    f"{DEFAULT_SCHEMA!r}).",
+)
+
+
+def _failed_filters(func: Any) -> Any:
     """The --queue/--task/--older-than/--limit options of the failed-message commands."""
     func = click.option(
         "--limit",
@@ -492,8 +474,8 @@ def failed_filters(func: Any) -> Any:
     return func
 
 
-def maintenance_options(func: Any) -> Any:
-    """The options that override ``app.conf.pgskip_maintenance``."""
+def _maintenance_options(func: Any) -> Any:
+    """The maintenance settings; under Celery they override ``app.conf.pgskip_maintenance``."""
     for name, help_text in reversed(
         (
             ("--sweep-schedule", "pg_cron schedule of the sweeper (default every minute)."),
@@ -510,7 +492,7 @@ def maintenance_options(func: Any) -> Any:
     return func
 
 
-cron_database_option = click.option(
+_cron_database_option = click.option(
     "--cron-database",
     envvar="PGSKIP_CRON_DATABASE",
     default=None,
@@ -531,14 +513,93 @@ def _maintenance_config(app: Any, options: dict[str, Any]) -> Any:
         raise click.UsageError(str(exc)) from None
 
 
-def _app(ctx: click.Context) -> Any:
-    app = getattr(ctx.find_root().obj, "app", None)
-    if app is None:
-        raise click.UsageError("no Celery app: run as `celery -A proj pgskip ...`")
-    return app
+@pgskip.command(name="migrate")
+@click.option("--dry-run", is_flag=True, help="Print the SQL that would run; change nothing.")
+@_url_option
+@_schema_option
+@click.pass_context
+def migrate_cmd(ctx: click.Context, dry_run: bool, url: str | None, schema: str | None) -> None:
+    """Install or upgrade the schema.
+
+    Idempotent, and safe to run concurrently: the migrations run under an advisory lock."""
+    do_migrate(_target(ctx, url, schema), dry_run)
 
 
-@pgskip.command(name="beat-sync")
+@pgskip.command(name="status")
+@_url_option
+@_schema_option
+@click.pass_context
+def status_cmd(ctx: click.Context, url: str | None, schema: str | None) -> None:
+    """Per-queue counts.
+
+    A table per queue: pending, running, scheduled, failed, oldest pending, done per minute."""
+    do_status(_target(ctx, url, schema))
+
+
+@pgskip.command(name="grant")
+@click.option("--worker", "workers", multiple=True, help="Role that runs workers (repeatable).")
+@click.option(
+    "--publisher", "publishers", multiple=True, help="Role that only publishes (repeatable)."
+)
+@click.option("--dry-run", is_flag=True, help="Print the GRANTs; change nothing.")
+@_owner_url_option
+@_schema_option
+@click.pass_context
+def grant_cmd(
+    ctx: click.Context,
+    workers: tuple[str, ...],
+    publishers: tuple[str, ...],
+    dry_run: bool,
+    url: str | None,
+    schema: str | None,
+) -> None:
+    """Grant a worker and a publisher role what they need.
+
+    Only what they need (docs/security.md); run as the schema's owner."""
+    do_grant(_target(ctx, url, schema), list(workers), list(publishers), dry_run)
+
+
+@pgskip.command(name="doctor")
+@_owner_url_option
+@_schema_option
+@click.pass_context
+def doctor_cmd(ctx: click.Context, url: str | None, schema: str | None) -> None:
+    """Check privileges and functions; exits 1 on a finding.
+
+    Looks for what would let a worker or publisher role destroy messages or run code as the
+    schema's owner, which it runs as."""
+    do_doctor(_target(ctx, url, schema))
+
+
+@pgskip.command(name="queue-args")
+@click.argument("queue")
+@click.option(
+    "--set",
+    "assignments",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Set an argument, e.g. x-expires=60000 (milliseconds; repeatable).",
+)
+@click.option("--unset", multiple=True, metavar="KEY", help="Remove an argument (repeatable).")
+@_owner_url_option
+@_schema_option
+@click.pass_context
+def queue_args_cmd(
+    ctx: click.Context,
+    queue: str,
+    assignments: tuple[str, ...],
+    unset: tuple[str, ...],
+    url: str | None,
+    schema: str | None,
+) -> None:
+    """Show or change a declared queue's arguments.
+
+    x-expires, x-message-ttl, x-max-priority, as the schema's owner: declarations cannot change
+    them."""
+    do_queue_args(_target(ctx, url, schema), queue, assignments, unset)
+
+
+@pgskip.command(name="beat-sync", cls=AppCommand)
 @click.option("--dry-run", is_flag=True, help="Show what would change; change nothing.")
 @click.option(
     "--no-cron",
@@ -559,8 +620,9 @@ def _app(ctx: click.Context) -> Any:
     default=None,
     help="Seconds a slot may be late and still fire normally (default 120).",
 )
-@maintenance_options
-@cron_database_option
+@_maintenance_options
+@_cron_database_option
+@_url_option
 @_schema_option
 @click.pass_context
 def beat_sync_cmd(
@@ -572,14 +634,18 @@ def beat_sync_cmd(
     missed: str | None,
     grace: float | None,
     cron_database: str | None,
+    url: str | None,
     schema: str | None,
     **maintenance: Any,
 ) -> None:
-    """Store app.conf.beat_schedule in the database and install the pg_cron job that fires it."""
+    """Store app.conf.beat_schedule and install its pg_cron jobs.
+
+    Stores the schedule in the database, installs the pg_cron job that fires it and the
+    maintenance jobs, and prints the diff. Needs the Celery app."""
     from .periodic import beat_sync, default_policy
 
     app = _app(ctx)
-    target = _target(ctx, schema)
+    target = _target(ctx, url, schema)
     config = _maintenance_config(app, maintenance)
     try:
         result = beat_sync(
@@ -615,27 +681,40 @@ def beat_sync_cmd(
 
 
 @pgskip.command(name="beat-list")
-@cron_database_option
+@_cron_database_option
+@_url_option
 @_schema_option
 @click.pass_context
-def beat_list_cmd(ctx: click.Context, cron_database: str | None, schema: str | None) -> None:
-    """Stored periodic tasks: schedule, next run, last run, last message id; pg_cron jobs."""
-    do_beat_list(_target(ctx, schema), cron_database)
+def beat_list_cmd(
+    ctx: click.Context, cron_database: str | None, url: str | None, schema: str | None
+) -> None:
+    """Stored periodic tasks and their pg_cron jobs.
+
+    Per entry: schedule, next run, last run, last message id; then the schema's pg_cron jobs."""
+    do_beat_list(_target(ctx, url, schema), cron_database)
 
 
 @pgskip.command(name="tick")
-@maintenance_options
+@_maintenance_options
+@_url_option
 @_schema_option
 @click.pass_context
-def tick_cmd(ctx: click.Context, /, schema: str | None, **maintenance: Any) -> None:
-    """Fire due periodic tasks and run maintenance once (the fallback without pg_cron)."""
-    do_tick(_target(ctx, schema), _maintenance_config(_app(ctx), maintenance))
+def tick_cmd(
+    ctx: click.Context, /, url: str | None, schema: str | None, **maintenance: Any
+) -> None:
+    """Fire due periodic tasks and run maintenance once.
+
+    The fallback without pg_cron: run it every minute. Maintenance settings: the options, over
+    app.conf.pgskip_maintenance under Celery."""
+    target = _target(ctx, url, schema)
+    do_tick(target, _maintenance_config(_app_or_none(ctx), maintenance))
 
 
 @pgskip.command(name="maintenance")
 @click.option("--remove", is_flag=True, help="Unschedule the maintenance jobs.")
-@maintenance_options
-@cron_database_option
+@_maintenance_options
+@_cron_database_option
+@_url_option
 @_schema_option
 @click.pass_context
 def maintenance_cmd(
@@ -643,26 +722,37 @@ def maintenance_cmd(
     /,
     remove: bool,
     cron_database: str | None,
+    url: str | None,
     schema: str | None,
     **maintenance: Any,
 ) -> None:
-    """Install or update the pg_cron maintenance jobs (sweeper, pruning)."""
-    config = _maintenance_config(_app(ctx), maintenance)
-    do_maintenance(_target(ctx, schema), config, remove, cron_database)
+    """Install or update the pg_cron maintenance jobs.
+
+    The sweeper and the pruning jobs. Their settings: the options, over
+    app.conf.pgskip_maintenance under Celery."""
+    target = _target(ctx, url, schema)
+    config = _maintenance_config(_app_or_none(ctx), maintenance)
+    do_maintenance(target, config, remove, cron_database)
 
 
 @pgskip.command(name="cron-remove")
-@cron_database_option
+@_cron_database_option
+@_url_option
 @_schema_option
 @click.pass_context
-def cron_remove_cmd(ctx: click.Context, cron_database: str | None, schema: str | None) -> None:
-    """Unschedule every pg_cron job of this database and schema (stored entries stay)."""
-    do_cron_remove(_target(ctx, schema), cron_database)
+def cron_remove_cmd(
+    ctx: click.Context, cron_database: str | None, url: str | None, schema: str | None
+) -> None:
+    """Unschedule every pg_cron job of this database and schema.
+
+    Stored periodic entries stay."""
+    do_cron_remove(_target(ctx, url, schema), cron_database)
 
 
 @pgskip.command(name="failed")
-@failed_filters
+@_failed_filters
 @click.option("--full", is_flag=True, help="Print whole error texts.")
+@_url_option
 @_schema_option
 @click.pass_context
 def failed_cmd(
@@ -672,14 +762,17 @@ def failed_cmd(
     older_than: str | None,
     limit: int | None,
     full: bool,
+    url: str | None,
     schema: str | None,
 ) -> None:
     """List failed messages (dead letters) with their errors."""
-    do_failed(_target(ctx, schema), _failed_filter(queue, task, older_than, limit or 100), full)
+    target = _target(ctx, url, schema)
+    do_failed(target, _failed_filter(queue, task, older_than, limit or 100), full)
 
 
 @pgskip.command(name="retry-failed")
-@failed_filters
+@_failed_filters
+@_url_option
 @_schema_option
 @click.pass_context
 def retry_failed_cmd(
@@ -688,15 +781,19 @@ def retry_failed_cmd(
     task: str | None,
     older_than: str | None,
     limit: int | None,
+    url: str | None,
     schema: str | None,
 ) -> None:
-    """Return failed messages to their queues (fresh attempt count)."""
-    do_retry_failed(_target(ctx, schema), _failed_filter(queue, task, older_than, limit))
+    """Return failed messages to their queues.
+
+    With a fresh attempt count; workers are woken."""
+    do_retry_failed(_target(ctx, url, schema), _failed_filter(queue, task, older_than, limit))
 
 
 @pgskip.command(name="purge-failed")
-@failed_filters
+@_failed_filters
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@_url_option
 @_schema_option
 @click.pass_context
 def purge_failed_cmd(
@@ -706,10 +803,11 @@ def purge_failed_cmd(
     older_than: str | None,
     limit: int | None,
     yes: bool,
+    url: str | None,
     schema: str | None,
 ) -> None:
     """Delete failed messages."""
-    target = _target(ctx, schema)
+    target = _target(ctx, url, schema)
     if not yes:
         click.confirm("Delete the matching failed messages?", abort=True)
     do_purge_failed(target, _failed_filter(queue, task, older_than, limit))

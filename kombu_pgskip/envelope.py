@@ -67,7 +67,8 @@ def _parse_eta(value: Any) -> datetime | None:
     return eta
 
 
-def _priority(message: dict[str, Any], max_priority: int = 9) -> int:
+def priority_of(message: dict[str, Any], max_priority: int = 9) -> int:
+    """The message's priority property as an AMQP priority, 0 to ``max_priority``."""
     try:
         value = int(message.get("properties", {}).get("priority") or 0)
     except (TypeError, ValueError):
@@ -75,7 +76,8 @@ def _priority(message: dict[str, Any], max_priority: int = 9) -> int:
     return max(0, min(value, max_priority))
 
 
-def _ttl_ms(message: dict[str, Any]) -> int | None:
+def ttl_ms_of(message: dict[str, Any]) -> int | None:
+    """Milliseconds the message may wait in its queue (its ``expiration``), or ``None``."""
     headers = message.get("headers") or {}
     if headers.get("task") is not None and headers.get("id") is not None:
         # A Celery task message (protocol 2): Celery turns ``expires`` into an ``expiration``
@@ -171,13 +173,13 @@ def _row(
     task_id = headers.get("id")
     return NewMessage(
         queue=queue,
-        priority=_priority(message),
+        priority=priority_of(message),
         status=status,
         run_at=run_at,
         payload=payload,
         task_name=str(task_name) if task_name is not None else None,
         task_id=str(task_id) if task_id is not None else None,
-        ttl_ms=_ttl_ms(message),
+        ttl_ms=ttl_ms_of(message),
     )
 
 

@@ -106,17 +106,20 @@ def check_schema(conn: psycopg.Connection[Any], schema: str) -> int:
     Returns the installed version.
     """
     installed = applied_versions(conn, schema)
+    return require_version(schema, max(installed) if installed else 0)
+
+
+def require_version(schema: str, current: int, *, where: str = "") -> int:
+    """``current`` (the schema's installed version, 0 for none) if it is the one this package
+    needs, else the :class:`~kombu_pgskip.exceptions.SchemaError` that says what to do;
+    ``where`` says whose database it is (" in the database of ...")."""
     needed = latest_version()
-    current = max(installed) if installed else 0
+    how = "run `celery -A proj pgskip migrate` (or `python -m kombu_pgskip migrate --url ...`)"
     if current == 0:
-        raise exceptions.SchemaNotInstalled(
-            f"schema {schema!r} not installed: run `celery -A proj pgskip migrate` "
-            "(or `python -m kombu_pgskip migrate --url ...`)"
-        )
+        raise exceptions.SchemaNotInstalled(f"schema {schema!r} not installed{where}: {how}")
     if current < needed:
         raise exceptions.SchemaOutdated(
-            f"schema {schema!r} is at version {current}, this kombu-pgskip needs {needed}: "
-            "run `celery -A proj pgskip migrate` (or `python -m kombu_pgskip migrate --url ...`)"
+            f"schema {schema!r} is at version {current}, this kombu-pgskip needs {needed}: {how}"
         )
     if current > needed:
         raise exceptions.SchemaTooNew(

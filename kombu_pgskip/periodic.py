@@ -58,7 +58,7 @@ from kombu.utils.json import dumps
 from psycopg.types.json import Jsonb
 
 from . import cron, exceptions
-from .envelope import refuse_nul
+from .envelope import priority_of, refuse_nul, ttl_ms_of
 from .schedule_spec import (
     CrontabSpec,
     IntervalSpec,
@@ -229,23 +229,6 @@ def _decoded_body(message: dict[str, Any]) -> bytes:
     if message.get("properties", {}).get("body_encoding") == "base64":
         return base64.b64decode(body)
     return body.encode() if isinstance(body, str) else bytes(body)
-
-
-def _priority(props: dict[str, Any]) -> int:
-    try:
-        return max(0, min(int(props.get("priority") or 0), 9))
-    except (TypeError, ValueError):
-        return 0
-
-
-def _ttl_ms(props: dict[str, Any]) -> int | None:
-    value = props.get("expiration")
-    if value in (None, ""):
-        return None
-    try:
-        return max(0, int(float(value)))
-    except (TypeError, ValueError):
-        return None
 
 
 def _capture(
@@ -480,8 +463,8 @@ def _plan_one(
         messages.append(
             {
                 "queue": queue,
-                "priority": _priority(props),
-                "ttl_ms": _ttl_ms(props),
+                "priority": priority_of(message),
+                "ttl_ms": ttl_ms_of(message),
                 "payload": message,
             }
         )

@@ -83,10 +83,9 @@ from .adapters import (
     after_commit_blocks,
     psycopg_depth,
     pyformat_text,
-    quote_ident,
 )
-from .migrate import latest_version
-from .sql import queries_for, raw_queries
+from .migrate import require_version
+from .sql import queries_for, quote_ident, raw_queries
 from .store import NewMessage, Store, publish_chunks
 from .transport import Channel, Options, Transport
 from .urls import Connection
@@ -362,22 +361,9 @@ def _check_schema(adapter: Adapter, schema: str) -> None:
     if installed:
         query, text = statements["schema_version"]
         current = int(adapter.run(query, text, {})[0][0] or 0)
-    needed = latest_version()
-    how = "run `celery -A proj pgskip migrate` (or `python -m kombu_pgskip migrate --url ...`)"
-    if current == 0:
-        raise exceptions.SchemaNotInstalled(
-            f"schema {schema!r} not installed in the database of the caller's "
-            f"{adapter.driver} connection: {how}"
-        )
-    if current < needed:
-        raise exceptions.SchemaOutdated(
-            f"schema {schema!r} is at version {current}, this kombu-pgskip needs {needed}: {how}"
-        )
-    if current > needed:
-        raise exceptions.SchemaTooNew(
-            f"schema {schema!r} is at version {current}, newer than this kombu-pgskip knows "
-            f"({needed}): upgrade the kombu-pgskip package"
-        )
+    require_version(
+        schema, current, where=f" in the database of the caller's {adapter.driver} connection"
+    )
     if key is not None:
         with _schema_lock, suppress(TypeError):
             _schema_ok.setdefault(key, set()).add(schema)

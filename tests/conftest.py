@@ -7,7 +7,8 @@ Where the server comes from (first that applies):
 2. Docker, when ``testcontainers`` is importable and ``docker info`` answers within 5 s: a
    stock ``postgres:15`` container. That image has no pg_cron, so pg_cron tests fail (they do
    not skip) with a message saying so.
-3. Otherwise an :class:`~kombu_pgskip.embedded.EmbeddedPostgres` (with pg_cron) for the session.
+3. Otherwise an :class:`~kombu_pgskip.testing.embedded.EmbeddedPostgres` (with pg_cron) for the
+   session.
 
 ``$PGSKIP_TEST_SERVER=embedded`` (or ``docker``) forces path 3 (or 2) when no DSN is given.
 
@@ -38,7 +39,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from kombu_pgskip.embedded import EmbeddedPostgres, find_bindir
+from kombu_pgskip.testing.embedded import EmbeddedPostgres, find_bindir
 from tests.helpers import make_url
 
 

@@ -13,6 +13,8 @@ from importlib import resources
 
 from psycopg import sql
 
+from ..exceptions import ConfigurationError
+
 _BLOCK = re.compile(r"^-- ([a-z_]+): (.*)$", re.MULTILINE)
 _INCLUDE = re.compile(r"\{@([a-z_]+)\}")
 
@@ -44,9 +46,11 @@ def raw_queries() -> dict[str, str]:
 
 def quote_ident(name: str) -> str:
     """``name`` as a quoted SQL identifier, as PostgreSQL's ``quote_ident`` always-quoted form
-    (and libpq's ``PQescapeIdentifier``) writes it."""
-    if "\x00" in name:
-        raise ValueError(f"an identifier cannot contain NUL: {name!r}")
+    (and libpq's ``PQescapeIdentifier``) writes it: in double quotes, inner ones doubled. For
+    the schema in statements rendered once, and for drivers other than psycopg 3 (which has
+    :class:`psycopg.sql.Identifier`)."""
+    if not name or "\x00" in name:
+        raise ConfigurationError(f"invalid identifier {name!r}: empty, or with a NUL character")
     return '"' + name.replace('"', '""') + '"'
 
 

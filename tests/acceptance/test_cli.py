@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,15 +19,35 @@ from tests.helpers import REPO_ROOT
 pytestmark = pytest.mark.acceptance
 
 
-def run(args: list[str], broker: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PGSKIP_BROKER_URL=broker, PYTHONPATH=str(REPO_ROOT))
+URL_ENV = ("PGSKIP_URL", "PGSKIP_OWNER_URL")
+
+
+def run(
+    args: list[str], broker: str, timeout: float = 60, url_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``args`` in tests/apps, ``taskapp``'s broker set to ``broker``; of the environment
+    variables ``--url`` reads (PGSKIP_URL, PGSKIP_OWNER_URL) only those in ``url_env``."""
+    inherited = {k: v for k, v in os.environ.items() if k not in URL_ENV}
+    env = dict(inherited, PGSKIP_BROKER_URL=broker, PYTHONPATH=str(REPO_ROOT), **(url_env or {}))
     return subprocess.run(
         args, cwd=APPS_DIR, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
 
 
-def celery(*args: str, broker: str) -> subprocess.CompletedProcess[str]:
-    return run([sys.executable, "-m", "celery", "-A", "taskapp", *args], broker)
+def celery(
+    *args: str, broker: str, url_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return run([sys.executable, "-m", "celery", "-A", "taskapp", *args], broker, url_env=url_env)
+
+
+def python_m(*args: str, url_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return run([sys.executable, "-m", "kombu_pgskip", *args], broker="", url_env=url_env)
+
+
+def _commands(help_text: str) -> dict[str, str]:
+    """The ``Commands:`` section of a click group's ``--help``: name -> one-line description."""
+    section = help_text.split("\nCommands:\n", 1)[1]
+    return dict(line.split(None, 1) for line in section.splitlines() if line.strip())
 
 
 def _broker(url: str) -> str:
@@ -98,6 +119,75 @@ def test_celery_pgskip_doctor_and_queue_args_act_as_the_owner(db_url: str) -> No
     assert missing.returncode == 1 and "no queue 'nope'" in missing.stderr
 
 
+# The commands users run; beat-sync reads app.conf.beat_schedule, so it runs under Celery only.
+COMMANDS = {
+    "beat-list", "beat-sync", "cron-remove", "doctor", "failed", "grant", "maintenance",
+    "migrate", "purge-failed", "queue-args", "retry-failed", "status", "tick",
+}  # fmt: skip
+APP_ONLY = {"beat-sync"}
+NOWHERE = "pgskip://postgres@127.0.0.1:1/nowhere"
+
+
+def test_python_m_offers_the_commands_of_celery_pgskip_but_the_app_only_ones() -> None:
+    under_celery = celery("pgskip", "--help", broker=NOWHERE)
+    without_app = python_m("--help")
+    assert under_celery.returncode == 0, under_celery.stderr
+    assert without_app.returncode == 0, without_app.stderr
+    celery_commands = _commands(under_celery.stdout)
+    python_m_commands = _commands(without_app.stdout)
+    assert set(celery_commands) == COMMANDS
+    assert set(python_m_commands) == COMMANDS - APP_ONLY
+    for name, description in celery_commands.items():
+        assert description.endswith(".") and not description.endswith("..."), (name, description)
+        if name in python_m_commands:
+            assert python_m_commands[name] == description
+
+
+def test_python_m_without_url_is_a_usage_error_naming_url_for_every_command() -> None:
+    for name in sorted(COMMANDS - APP_ONLY):
+        result = python_m(name, *(["default"] if name == "queue-args" else []))
+        assert result.returncode == 2, (name, result.stdout, result.stderr)
+        assert "pass --url (or set $PGSKIP_URL)" in result.stderr, (name, result.stderr)
+        assert f"`celery -A proj pgskip {name}`" in result.stderr, (name, result.stderr)
+    for name in sorted(APP_ONLY):
+        result = python_m(name, "--url", NOWHERE)
+        assert result.returncode == 2, (name, result.stdout, result.stderr)
+        assert f"run it as `celery -A proj pgskip {name}`" in result.stderr, (name, result.stderr)
+
+
+def test_python_m_reads_pgskip_url_and_owner_commands_pgskip_owner_url_first(
+    db_url: str, empty_db_url: str
+) -> None:
+    status = python_m("status", url_env={"PGSKIP_URL": db_url})
+    assert status.returncode == 0, status.stderr
+    assert "(no messages)" in status.stdout
+    # The owner's commands: PGSKIP_OWNER_URL (migrated) before PGSKIP_URL (no schema).
+    doctor = python_m("doctor", url_env={"PGSKIP_OWNER_URL": db_url, "PGSKIP_URL": empty_db_url})
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert "ok    routines not executable by PUBLIC" in doctor.stdout
+    # The others do not read PGSKIP_OWNER_URL.
+    missing = python_m("status", url_env={"PGSKIP_OWNER_URL": db_url})
+    assert missing.returncode == 2 and "pass --url" in missing.stderr
+
+
+def test_url_wins_over_the_app_broker_under_celery(db_url: str, empty_db_url: str) -> None:
+    app = Celery("publisher", broker=_broker(db_url), set_as_current=False)
+    for _ in range(2):
+        app.send_task("taskapp.record", args=("x",), queue="default")
+    app.close()
+    # taskapp's broker is a database without the schema; --url (or $PGSKIP_URL) names db_url.
+    broker = _broker(empty_db_url)
+    from_app = celery("pgskip", "status", broker=broker)
+    assert from_app.returncode == 1 and "not installed" in from_app.stderr, from_app.stderr
+    for result in (
+        celery("pgskip", "status", "--url", _broker(db_url), broker=broker),
+        celery("pgskip", "status", broker=broker, url_env={"PGSKIP_URL": db_url}),
+    ):
+        assert result.returncode == 0, result.stderr
+        lines = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:]}
+        assert lines["default"][1] == "2", result.stdout
+
+
 def test_worker_against_a_database_without_schema_says_run_migrate(empty_db_url: str) -> None:
     result = run(
         [sys.executable, "-m", "celery", "-A", "taskapp", "worker", "-P", "solo",
@@ -109,15 +199,28 @@ def test_worker_against_a_database_without_schema_says_run_migrate(empty_db_url:
     assert "celery -A proj pgskip migrate" in result.stdout + result.stderr
 
 
-def test_wheel_ships_the_migrations_and_sql(tmp_path: Path) -> None:
+def test_wheel_ships_every_module_the_migrations_and_sql(tmp_path: Path) -> None:
+    # Built from a copy of the files the wheel is made of: an in-tree build reuses build/lib,
+    # which keeps modules deleted from the source tree and ships them.
+    src = tmp_path / "src"
+    for name in ("kombu_pgskip", "migrations"):
+        shutil.copytree(REPO_ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO_ROOT / name, src / name)
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(REPO_ROOT)],
+         "-w", str(tmp_path), str(src)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     (wheel,) = tmp_path.glob("kombu_pgskip-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
+    # Every module of the source tree and nothing else: a subpackage missing from
+    # [tool.setuptools] packages would be left out.
+    modules = {p.relative_to(src).as_posix() for p in (src / "kombu_pgskip").rglob("*.py")}
+    assert {n for n in names if n.endswith(".py")} == modules
+    # The demo starts its throwaway cluster from the installed package.
+    assert "kombu_pgskip/testing/embedded.py" in names
     assert "kombu_pgskip/migrations/0001_initial.sql" in names
     assert "kombu_pgskip/sql/queries.sql" in names
     assert "kombu_pgskip/py.typed" in names

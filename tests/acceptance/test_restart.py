@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 from celery import Celery
 
-from kombu_pgskip.embedded import EmbeddedPostgres
 from kombu_pgskip.migrate import migrate
+from kombu_pgskip.testing.embedded import EmbeddedPostgres
 from tests.acceptance.conftest import APPS_DIR, runs, wait_until
 from tests.helpers import CeleryWorker
 

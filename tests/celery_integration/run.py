@@ -13,7 +13,7 @@ What it does:
    unpacks it;
 2. starts a private ``redis-server`` per configuration (the suite's helper tasks and the
    Redis result backend need one; private so that configurations can run at once);
-3. starts a throwaway PostgreSQL (:class:`kombu_pgskip.embedded.EmbeddedPostgres`) and gives
+3. starts a throwaway PostgreSQL (:class:`kombu_pgskip.testing.embedded.EmbeddedPostgres`) and gives
    each configuration a fresh database for the broker (migrated) and one for results;
 4. runs ``pytest t/integration`` once per configuration (``TEST_BROKER`` / ``TEST_BACKEND``),
    ``--parallel`` at a time, with a JUnit XML report each, and prints pass/fail/skip/error
@@ -48,8 +48,8 @@ from psycopg import sql
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from kombu_pgskip.embedded import EmbeddedPostgres  # noqa: E402
 from kombu_pgskip.migrate import migrate  # noqa: E402
+from kombu_pgskip.testing.embedded import EmbeddedPostgres  # noqa: E402
 
 DEFAULT_CONFIGS = ["pgskip/redis", "pgskip/postgresql", "redis/redis", "redis/postgresql"]
 

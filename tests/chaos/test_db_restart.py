@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psycopg
 
-from kombu_pgskip.embedded import EmbeddedPostgres
+from kombu_pgskip.testing.embedded import EmbeddedPostgres
 from tests.acceptance.conftest import wait_until
 from tests.chaos.support import (
     TASK,

@@ -13,9 +13,9 @@ import pytest
 from psycopg import sql
 
 from bench.held_snapshot import HOLDER_APP, HOLDER_QUERY, held_snapshot, run
-from kombu_pgskip.embedded import EmbeddedPostgres
 from kombu_pgskip.health import HorizonMonitor, read_holders
 from kombu_pgskip.store import Store
+from kombu_pgskip.testing.embedded import EmbeddedPostgres
 
 
 class FakeClock:

@@ -7,7 +7,7 @@ import os
 import psycopg
 import pytest
 
-from kombu_pgskip.embedded import EmbeddedPostgres, find_bindir
+from kombu_pgskip.testing.embedded import EmbeddedPostgres, find_bindir
 from tests.helpers import make_url
 
 

@@ -26,11 +26,11 @@ from celery import Celery
 
 import kombu_pgskip
 from kombu_pgskip.bulk import apply_many_in
-from kombu_pgskip.embedded import EmbeddedPostgres, find_bindir
 from kombu_pgskip.envelope import to_row
 from kombu_pgskip.migrate import migrate
 from kombu_pgskip.publish import apply_async_in
 from kombu_pgskip.store import NewMessage, Store, notify_channel, scheduled_channel
+from kombu_pgskip.testing.embedded import EmbeddedPostgres, find_bindir
 from tests.publish_support import Rollback, django_database, make_app
 
 

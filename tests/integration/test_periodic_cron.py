@@ -13,9 +13,9 @@ import pytest
 from psycopg import sql
 
 from kombu_pgskip import cron
-from kombu_pgskip.embedded import EmbeddedPostgres, find_bindir
 from kombu_pgskip.migrate import migrate
 from kombu_pgskip.periodic import beat_sync
+from kombu_pgskip.testing.embedded import EmbeddedPostgres, find_bindir
 from tests.helpers import make_url
 from tests.periodic_support import make_app
 

@@ -1,0 +1,1040 @@
+-- The pgskip schema that migrations/NNNN_*.sql build, in order, as pg_dump --schema-only
+-- writes it (without its session settings): a snapshot to review a new migration against.
+-- `pgskip migrate` never runs this file. tests/integration/test_schema_snapshot.py checks it;
+-- after a new migration, regenerate it and review the diff:
+--   PGSKIP_WRITE_SCHEMA=1 bash scripts/test.sh tests/integration/test_schema_snapshot.py
+
+--
+-- Name: pgskip; Type: SCHEMA; Schema: -; Owner: -
+--
+
+CREATE SCHEMA pgskip;
+
+--
+-- Name: job_status; Type: TYPE; Schema: pgskip; Owner: -
+--
+
+CREATE TYPE pgskip.job_status AS ENUM (
+    'scheduled',
+    'pending',
+    'running',
+    'completed',
+    'failed'
+);
+
+--
+-- Name: beat_cron_next(timestamp with time zone, text, smallint[], smallint[], smallint[], smallint[], smallint[]); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.beat_cron_next(after timestamp with time zone, tz text, minutes smallint[], hours smallint[], days_of_week smallint[], days_of_month smallint[], months smallint[]) RETURNS timestamp with time zone
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+DECLARE
+    floor_wall  timestamp := after AT TIME ZONE tz;
+    d           date := (after AT TIME ZONE tz)::date;
+    min_minute  smallint := (SELECT min(x) FROM unnest(minutes) AS x);
+    min_hour    smallint := (SELECT min(x) FROM unnest(hours) AS x);
+    fh          smallint;
+    fm          smallint;
+    h           smallint;
+    m           smallint;
+    cand        timestamp;
+    slot        timestamptz;
+BEGIN
+    -- 29 February on a given weekday recurs within 41 years.
+    FOR i IN 1..(366 * 41) LOOP
+        IF extract(month FROM d)::smallint = ANY (months)
+           AND extract(day FROM d)::smallint = ANY (days_of_month)
+           AND extract(dow FROM d)::smallint = ANY (days_of_week) THEN
+            LOOP
+                cand := NULL;
+                IF floor_wall IS NULL THEN
+                    cand := d + make_interval(hours => min_hour, mins => min_minute);
+                ELSE
+                    fh := extract(hour FROM floor_wall)::smallint;
+                    fm := extract(minute FROM floor_wall)::smallint;
+                    IF fh = ANY (hours) THEN
+                        SELECT min(x) INTO m FROM unnest(minutes) AS x WHERE x > fm;
+                        IF m IS NOT NULL THEN
+                            cand := d + make_interval(hours => fh, mins => m);
+                        END IF;
+                    END IF;
+                    IF cand IS NULL THEN
+                        SELECT min(x) INTO h FROM unnest(hours) AS x WHERE x > fh;
+                        IF h IS NOT NULL THEN
+                            cand := d + make_interval(hours => h, mins => min_minute);
+                        END IF;
+                    END IF;
+                END IF;
+                EXIT WHEN cand IS NULL;
+                slot := beat_local_to_utc(cand, tz);
+                IF slot > after THEN
+                    RETURN slot;
+                END IF;
+                -- Only when starting inside a repeated hour: that wall time's first occurrence
+                -- is already past.
+                floor_wall := cand;
+            END LOOP;
+        END IF;
+        d := d + 1;
+        floor_wall := NULL;
+    END LOOP;
+    RETURN NULL;
+END;
+$$;
+
+--
+-- Name: beat_entries; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.beat_entries (
+    name text NOT NULL,
+    task text NOT NULL,
+    kind text NOT NULL,
+    timezone text NOT NULL,
+    minutes smallint[],
+    hours smallint[],
+    days_of_week smallint[],
+    days_of_month smallint[],
+    months smallint[],
+    first_slot timestamp with time zone,
+    every_us bigint,
+    every_days integer,
+    schedule_key text NOT NULL,
+    description text NOT NULL,
+    missed text DEFAULT 'latest'::text NOT NULL,
+    grace interval DEFAULT '00:02:00'::interval NOT NULL,
+    deadline interval,
+    max_catchup integer DEFAULT 100 NOT NULL,
+    messages jsonb NOT NULL,
+    id_paths jsonb DEFAULT '[]'::jsonb NOT NULL,
+    fixed_task_id text,
+    eta_offset interval,
+    expires_offset interval,
+    digest text NOT NULL,
+    next_slot timestamp with time zone,
+    last_slot timestamp with time zone,
+    last_task_id text,
+    last_fired_at timestamp with time zone,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT beat_entries_check CHECK (((kind <> 'crontab'::text) OR ((minutes IS NOT NULL) AND (hours IS NOT NULL) AND (days_of_week IS NOT NULL) AND (days_of_month IS NOT NULL) AND (months IS NOT NULL)))),
+    CONSTRAINT beat_entries_check1 CHECK (((kind <> 'interval'::text) OR ((first_slot IS NOT NULL) AND (every_us IS NOT NULL)))),
+    CONSTRAINT beat_entries_check2 CHECK (((kind <> 'days'::text) OR ((first_slot IS NOT NULL) AND (every_days IS NOT NULL)))),
+    CONSTRAINT beat_entries_every_days_check CHECK ((every_days > 0)),
+    CONSTRAINT beat_entries_every_us_check CHECK ((every_us > 0)),
+    CONSTRAINT beat_entries_kind_check CHECK ((kind = ANY (ARRAY['crontab'::text, 'interval'::text, 'days'::text]))),
+    CONSTRAINT beat_entries_max_catchup_check CHECK ((max_catchup > 0)),
+    CONSTRAINT beat_entries_missed_check CHECK ((missed = ANY (ARRAY['latest'::text, 'all'::text, 'skip'::text])))
+);
+
+--
+-- Name: beat_emit(pgskip.beat_entries, timestamp with time zone, timestamp with time zone); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.beat_emit(e pgskip.beat_entries, slot timestamp with time zone, fired_at timestamp with time zone) RETURNS text
+    LANGUAGE plpgsql
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+DECLARE
+    tid      text := COALESCE(e.fixed_task_id, gen_random_uuid()::text);
+    -- Celery builds beat's message when it sends it: at the slot, or now for a late one.
+    sent     timestamptz := greatest(slot, fired_at);
+    due      timestamptz := greatest(slot, fired_at) + COALESCE(e.eta_offset, interval '0');
+    inserted record;
+BEGIN
+    INSERT INTO beat_slots (entry, slot, task_id) VALUES (e.name, slot, tid)
+        ON CONFLICT ON CONSTRAINT beat_slots_pkey DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    -- Same rules as the broker's publish: priority clamped to the queue's x-max-priority,
+    -- TTL from the message or the queue.
+    FOR inserted IN
+        INSERT INTO jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
+        SELECT msg.value->>'queue',
+               LEAST((msg.value->>'priority')::integer, COALESCE(q.max_priority, 255)),
+               CASE WHEN due > fired_at THEN 'scheduled' ELSE 'pending' END::job_status,
+               CASE WHEN due > fired_at THEN due ELSE LEAST(due, now()) END,
+               beat_payload(msg.value->'payload', e.id_paths, tid,
+                            CASE WHEN e.eta_offset IS NOT NULL THEN due END,
+                            sent + e.expires_offset)::json,
+               e.task,
+               tid,
+               GREATEST(due, now())
+                 + make_interval(secs => LEAST((msg.value->>'ttl_ms')::bigint, q.message_ttl) / 1000.0)
+          FROM jsonb_array_elements(e.messages) AS msg
+          LEFT JOIN queues AS q ON q.name = msg.value->>'queue'
+        RETURNING jobs.queue, jobs.status, jobs.run_at
+    LOOP
+        IF inserted.status = 'pending' THEN
+            PERFORM pg_notify('pgskip:' || current_schema(), inserted.queue);
+        ELSE
+            PERFORM pg_notify('pgskip:' || current_schema() || ':scheduled',
+                              extract(epoch FROM inserted.run_at)::text);
+        END IF;
+    END LOOP;
+    RETURN tid;
+END;
+$$;
+
+--
+-- Name: beat_isoformat(timestamp with time zone); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.beat_isoformat(t timestamp with time zone) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+    SELECT to_char(t AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US') || '+00:00'
+$$;
+
+--
+-- Name: beat_local_to_utc(timestamp without time zone, text); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.beat_local_to_utc(wall timestamp without time zone, tz text) RETURNS timestamp with time zone
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+DECLARE
+    guess       timestamptz := wall AT TIME ZONE tz;
+    off_before  interval := ((guess - interval '3 hours') AT TIME ZONE tz)
+                            - ((guess - interval '3 hours') AT TIME ZONE 'UTC');
+    off_after   interval := ((guess + interval '3 hours') AT TIME ZONE tz)
+                            - ((guess + interval '3 hours') AT TIME ZONE 'UTC');
+    early       timestamptz := (wall - off_before) AT TIME ZONE 'UTC';
+    late        timestamptz := (wall - off_after) AT TIME ZONE 'UTC';
+BEGIN
+    IF (early AT TIME ZONE tz) = wall THEN
+        RETURN early;
+    ELSIF (late AT TIME ZONE tz) = wall THEN
+        RETURN late;
+    END IF;
+    RETURN early;  -- in a gap
+END;
+$$;
+
+--
+-- Name: beat_next_slot(pgskip.beat_entries, timestamp with time zone); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.beat_next_slot(e pgskip.beat_entries, after timestamp with time zone) RETURNS timestamp with time zone
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+DECLARE
+    k          numeric;
+    first_day  date;
+    slot       timestamptz;
+BEGIN
+    IF e.kind = 'crontab' THEN
+        RETURN beat_cron_next(after, e.timezone, e.minutes, e.hours, e.days_of_week,
+                              e.days_of_month, e.months);
+    END IF;
+    IF after < e.first_slot THEN
+        RETURN e.first_slot;
+    END IF;
+    IF e.kind = 'interval' THEN
+        -- Exact integer microseconds (extract(epoch ...) is numeric).
+        k := floor(extract(epoch FROM after - e.first_slot) * 1000000 / e.every_us) + 1;
+        RETURN e.first_slot + interval '1 microsecond' * (k * e.every_us)::float8;
+    END IF;
+    first_day := (e.first_slot AT TIME ZONE e.timezone)::date;
+    k := greatest(0, ceil(((after AT TIME ZONE e.timezone)::date - first_day)::numeric
+                          / e.every_days));
+    LOOP
+        slot := beat_local_to_utc((first_day + (k * e.every_days)::integer)::timestamp,
+                                  e.timezone);
+        IF slot > after THEN
+            RETURN slot;
+        END IF;
+        k := k + 1;
+    END LOOP;
+END;
+$$;
+
+--
+-- Name: beat_payload(jsonb, jsonb, text, timestamp with time zone, timestamp with time zone); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.beat_payload(template jsonb, id_paths jsonb, task_id text, eta timestamp with time zone, expires timestamp with time zone) RETURNS jsonb
+    LANGUAGE plpgsql IMMUTABLE
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+DECLARE
+    p     jsonb := template;
+    path  jsonb;
+BEGIN
+    FOR path IN SELECT value FROM jsonb_array_elements(id_paths) LOOP
+        p := jsonb_set(p, ARRAY(SELECT jsonb_array_elements_text(path)), to_jsonb(task_id));
+    END LOOP;
+    IF eta IS NOT NULL THEN
+        p := jsonb_set(p, '{headers,eta}', to_jsonb(beat_isoformat(eta)));
+    END IF;
+    IF expires IS NOT NULL THEN
+        p := jsonb_set(p, '{headers,expires}', to_jsonb(beat_isoformat(expires)));
+    END IF;
+    RETURN p;
+END;
+$$;
+
+--
+-- Name: bump_routing_epoch(); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.bump_routing_epoch() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+BEGIN
+    IF TG_RELID NOT IN ('bindings'::regclass, 'exchanges'::regclass, 'queues'::regclass) THEN
+        RAISE EXCEPTION 'bump_routing_epoch() runs only as a trigger of bindings, exchanges and queues';
+    END IF;
+    UPDATE routing_epoch SET n = nextval('routing_epoch_seq'::regclass);
+    RETURN NULL;
+END
+$$;
+
+--
+-- Name: expire_queues(); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.expire_queues(OUT queues bigint, OUT messages bigint) RETURNS record
+    LANGUAGE sql
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+    WITH gone AS (
+        DELETE FROM queues AS q
+         WHERE q.expires IS NOT NULL
+           AND q.last_used_at + q.expires * interval '1 millisecond' <= now()
+           AND NOT EXISTS (SELECT 1 FROM consumer_queues AS cq
+                             JOIN consumers AS c ON c.id = cq.consumer
+                            WHERE cq.queue = q.name AND c.lease_until > now())
+        RETURNING q.name
+    ), dropped AS (
+        DELETE FROM jobs AS j
+         USING gone
+         WHERE j.queue = gone.name AND j.status IN ('pending', 'scheduled')
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM dropped)
+$$;
+
+--
+-- Name: fire_due(timestamp with time zone, interval); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.fire_due(now timestamp with time zone DEFAULT now(), lookahead interval DEFAULT '00:01:00'::interval) RETURNS integer
+    LANGUAGE plpgsql
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+DECLARE
+    e          beat_entries;
+    horizon    timestamptz := fire_due.now + fire_due.lookahead;
+    on_time    timestamptz;
+    s          timestamptz;
+    late       timestamptz;
+    n_late     integer;
+    steps      integer;
+    tid        text;
+    last_s     timestamptz;
+    last_tid   text;
+    fired      integer := 0;
+BEGIN
+    FOR e IN
+        SELECT * FROM beat_entries
+         WHERE next_slot IS NOT NULL AND next_slot <= horizon
+         ORDER BY name
+           FOR UPDATE
+    LOOP
+        on_time := fire_due.now - e.grace;
+        s := e.next_slot;
+        last_s := NULL;
+        last_tid := NULL;
+        IF s < on_time THEN
+            -- Missed slots.
+            late := NULL;
+            n_late := 0;
+            IF e.missed = 'all' THEN
+                WHILE s IS NOT NULL AND s < on_time AND n_late < e.max_catchup LOOP
+                    tid := beat_emit(e, s, fire_due.now);
+                    IF tid IS NOT NULL THEN
+                        fired := fired + 1;
+                        last_s := s;
+                        last_tid := tid;
+                    END IF;
+                    n_late := n_late + 1;
+                    s := beat_next_slot(e, s);
+                END LOOP;
+            ELSIF e.kind = 'interval' THEN
+                s := beat_next_slot(e, on_time - interval '1 microsecond');
+                late := s - interval '1 microsecond' * e.every_us::float8;
+            ELSE
+                steps := 0;
+                WHILE s IS NOT NULL AND s < on_time LOOP
+                    late := s;
+                    steps := steps + 1;
+                    IF steps >= 50000 THEN
+                        -- A very long outage: restart the walk a day before the grace window.
+                        s := beat_next_slot(e, greatest(s, on_time - interval '1 day'));
+                        steps := 0;
+                    ELSE
+                        s := beat_next_slot(e, s);
+                    END IF;
+                END LOOP;
+            END IF;
+            IF e.missed = 'latest' AND late IS NOT NULL
+               AND (s IS NULL OR s > fire_due.now)
+               AND (e.deadline IS NULL OR late >= fire_due.now - e.deadline) THEN
+                -- One message stands for the missed ones, unless a slot is due now anyway.
+                tid := beat_emit(e, late, fire_due.now);
+                IF tid IS NOT NULL THEN
+                    fired := fired + 1;
+                    last_s := late;
+                    last_tid := tid;
+                END IF;
+            END IF;
+        END IF;
+        IF s IS NULL OR s >= on_time THEN
+            WHILE s IS NOT NULL AND s <= horizon LOOP
+                tid := beat_emit(e, s, fire_due.now);
+                IF tid IS NOT NULL THEN
+                    fired := fired + 1;
+                    last_s := s;
+                    last_tid := tid;
+                END IF;
+                s := beat_next_slot(e, s);
+            END LOOP;
+        END IF;
+        UPDATE beat_entries
+           SET next_slot = s,
+               last_slot = CASE WHEN last_s IS NULL THEN last_slot
+                                ELSE greatest(last_slot, last_s) END,
+               last_task_id = CASE WHEN last_s IS NULL OR last_s < last_slot THEN last_task_id
+                                   ELSE last_tid END,
+               last_fired_at = CASE WHEN last_s IS NULL THEN last_fired_at ELSE now() END
+         WHERE name = e.name;
+    END LOOP;
+    RETURN fired;
+END;
+$$;
+
+--
+-- Name: prune(interval, interval); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.prune(completed_after interval DEFAULT '1 day'::interval, failed_after interval DEFAULT '14 days'::interval) RETURNS TABLE(completed bigint, failed bigint, slots bigint)
+    LANGUAGE sql
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+WITH c AS (
+    DELETE FROM jobs
+     WHERE completed_after IS NOT NULL AND status = 'completed'
+       AND finished_at < now() - completed_after
+    RETURNING 1
+), f AS (
+    DELETE FROM jobs
+     WHERE failed_after IS NOT NULL AND status = 'failed'
+       AND finished_at < now() - failed_after
+    RETURNING 1
+), s AS (
+    -- fire_due never looks back further than an entry's cursor, and a cursor never moves
+    -- back past now(): records older than this only serve `beat-list` history.
+    DELETE FROM beat_slots
+     WHERE slot < now() - interval '35 days'
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM c), (SELECT count(*) FROM f), (SELECT count(*) FROM s);
+$$;
+
+--
+-- Name: prune_completed_batch(timestamp with time zone, integer); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.prune_completed_batch(cutoff timestamp with time zone, batch integer) RETURNS bigint
+    LANGUAGE sql
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+    WITH d AS (
+        DELETE FROM jobs
+         WHERE id IN (SELECT id FROM jobs
+                       WHERE status = 'completed' AND finished_at < cutoff
+                       ORDER BY finished_at
+                       LIMIT batch)
+        RETURNING 1
+    )
+    SELECT count(*) FROM d
+$$;
+
+--
+-- Name: prune_in_batches(interval, interval, integer, bigint, bigint, bigint); Type: PROCEDURE; Schema: pgskip; Owner: -
+--
+
+CREATE PROCEDURE pgskip.prune_in_batches(IN completed_after interval DEFAULT '1 day'::interval, IN failed_after interval DEFAULT '14 days'::interval, IN batch integer DEFAULT 10000, INOUT completed bigint DEFAULT NULL::bigint, INOUT failed bigint DEFAULT NULL::bigint, INOUT slots bigint DEFAULT NULL::bigint)
+    LANGUAGE plpgsql
+    AS $$
+-- No SET clause (it would forbid COMMIT): every name is qualified, every operator too, so the
+-- caller's search path resolves nothing here.
+DECLARE
+    cutoff timestamptz := pg_catalog.now() OPERATOR(pg_catalog.-) completed_after;
+    n bigint;
+BEGIN
+    IF batch IS NULL OR batch OPERATOR(pg_catalog.<) 1 THEN
+        RAISE EXCEPTION 'prune_in_batches: batch must be a positive number of rows, not %', batch;
+    END IF;
+    completed := 0;
+    IF completed_after IS NOT NULL THEN
+        LOOP
+            n := pgskip.prune_completed_batch(cutoff, batch);
+            completed := completed OPERATOR(pg_catalog.+) n;
+            COMMIT;
+            EXIT WHEN n OPERATOR(pg_catalog.<) batch;
+        END LOOP;
+    END IF;
+    SELECT p.failed, p.slots INTO failed, slots FROM pgskip.prune(NULL, failed_after) AS p;
+END
+$$;
+
+--
+-- Name: sweep(integer); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.sweep(max_attempts integer DEFAULT 20) RETURNS TABLE(requeued bigint, failed bigint, consumers_forgotten bigint, promoted bigint)
+    LANGUAGE sql
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+WITH lost AS (
+    SELECT j.id
+      FROM jobs AS j
+     WHERE j.status = 'running'
+       AND NOT EXISTS (SELECT 1 FROM consumers AS c
+                        WHERE c.id = j.locked_by AND c.lease_until > now())
+       FOR UPDATE OF j SKIP LOCKED
+), r AS (
+    UPDATE jobs
+       SET status = CASE WHEN jobs.attempts >= max_attempts THEN 'failed'
+                         ELSE 'pending' END::job_status,
+           redelivered = true, locked_by = NULL, locked_at = NULL,
+           finished_at = CASE WHEN jobs.attempts >= max_attempts THEN now() END,
+           last_error = CASE WHEN jobs.attempts >= max_attempts
+                             THEN 'consumer lost on each of ' || jobs.attempts
+                                  || ' deliveries (max_attempts)'
+                             ELSE jobs.last_error END
+      FROM lost
+     WHERE jobs.id = lost.id
+    RETURNING jobs.queue, jobs.status
+), gone AS (
+    DELETE FROM consumers WHERE lease_until <= now() RETURNING id
+), due AS (
+    SELECT id FROM jobs
+     WHERE status = 'scheduled' AND run_at <= now()
+     ORDER BY run_at
+     LIMIT 10000
+       FOR UPDATE SKIP LOCKED
+), p AS (
+    UPDATE jobs SET status = 'pending' FROM due WHERE jobs.id = due.id RETURNING jobs.queue
+), n AS (
+    SELECT pg_notify('pgskip:' || current_schema(), d.queue)
+      FROM (SELECT queue FROM r WHERE status = 'pending' UNION SELECT queue FROM p) AS d
+)
+SELECT (SELECT count(*) FROM r WHERE status = 'pending'),
+       (SELECT count(*) FROM r WHERE status = 'failed'),
+       (SELECT count(*) FROM gone),
+       (SELECT count(*) FROM p) + 0 * (SELECT count(*) FROM n);
+$$;
+
+--
+-- Name: sync_consumer_queues(); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.sync_consumer_queues() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+BEGIN
+    IF TG_RELID <> 'consumers'::regclass THEN
+        RAISE EXCEPTION 'sync_consumer_queues() runs only as a trigger of consumers';
+    END IF;
+    IF TG_OP = 'TRUNCATE' THEN
+        DELETE FROM consumer_queues;
+        RETURN NULL;
+    END IF;
+    IF TG_OP = 'UPDATE' AND OLD.id = NEW.id AND OLD.queues IS NOT DISTINCT FROM NEW.queues THEN
+        UPDATE consumer_queues SET polling = NEW.polling WHERE consumer = NEW.id;
+        RETURN NULL;
+    END IF;
+    IF TG_OP IN ('UPDATE', 'DELETE') THEN
+        DELETE FROM consumer_queues WHERE consumer = OLD.id;
+    END IF;
+    IF TG_OP IN ('INSERT', 'UPDATE') THEN
+        INSERT INTO consumer_queues (consumer, queue, polling)
+        SELECT DISTINCT NEW.id, q.queue, NEW.polling
+          FROM unnest(NEW.queues) AS q(queue)
+         WHERE q.queue IS NOT NULL;
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+--
+-- Name: beat_slots; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.beat_slots (
+    entry text NOT NULL,
+    slot timestamp with time zone NOT NULL,
+    task_id text NOT NULL,
+    fired_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+--
+-- Name: bindings; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.bindings (
+    exchange text NOT NULL,
+    queue text NOT NULL,
+    routing_key text DEFAULT ''::text NOT NULL,
+    arguments jsonb DEFAULT '{}'::jsonb NOT NULL,
+    pattern text
+);
+
+--
+-- Name: consumer_queues; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.consumer_queues (
+    consumer uuid NOT NULL,
+    queue text NOT NULL,
+    polling boolean NOT NULL
+)
+WITH (fillfactor='50');
+
+--
+-- Name: consumers; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.consumers (
+    id uuid NOT NULL,
+    hostname text NOT NULL,
+    pid integer NOT NULL,
+    queues text[] DEFAULT '{}'::text[] NOT NULL,
+    started_at timestamp with time zone DEFAULT now() NOT NULL,
+    heartbeat_at timestamp with time zone DEFAULT now() NOT NULL,
+    lease_until timestamp with time zone NOT NULL,
+    polling boolean DEFAULT false NOT NULL
+)
+WITH (fillfactor='50');
+
+--
+-- Name: exchanges; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.exchanges (
+    name text NOT NULL,
+    type text NOT NULL,
+    durable boolean DEFAULT true NOT NULL,
+    auto_delete boolean DEFAULT false NOT NULL,
+    arguments jsonb DEFAULT '{}'::jsonb NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT exchanges_type_check CHECK ((type = ANY (ARRAY['direct'::text, 'topic'::text, 'fanout'::text, 'headers'::text])))
+);
+
+--
+-- Name: jobs; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.jobs (
+    id bigint NOT NULL,
+    queue text NOT NULL,
+    priority smallint DEFAULT 0 NOT NULL,
+    status pgskip.job_status DEFAULT 'pending'::pgskip.job_status NOT NULL,
+    run_at timestamp with time zone DEFAULT now() NOT NULL,
+    payload json NOT NULL,
+    task_name text,
+    task_id text,
+    attempts integer DEFAULT 0 NOT NULL,
+    redelivered boolean DEFAULT false NOT NULL,
+    locked_by uuid,
+    locked_at timestamp with time zone,
+    expires_at timestamp with time zone,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone,
+    last_error text,
+    delivery bigint
+)
+WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_vacuum_insert_scale_factor='0.05', autovacuum_analyze_scale_factor='0.05', autovacuum_vacuum_cost_delay='0');
+
+--
+-- Name: jobs_id_seq; Type: SEQUENCE; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE pgskip.jobs ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME pgskip.jobs_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+--
+-- Name: migrations; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.migrations (
+    version integer NOT NULL,
+    name text NOT NULL,
+    checksum text NOT NULL,
+    applied_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+--
+-- Name: queues; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.queues (
+    name text NOT NULL,
+    durable boolean DEFAULT true NOT NULL,
+    auto_delete boolean DEFAULT false NOT NULL,
+    arguments jsonb DEFAULT '{}'::jsonb NOT NULL,
+    max_priority smallint,
+    message_ttl bigint,
+    expires bigint,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    last_used_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT queues_expires_check CHECK ((expires > 0)),
+    CONSTRAINT queues_max_priority_check CHECK (((max_priority >= 0) AND (max_priority <= 255))),
+    CONSTRAINT queues_message_ttl_check CHECK ((message_ttl >= 0)),
+    CONSTRAINT queues_name_check CHECK (((octet_length(name) >= 1) AND (octet_length(name) <= 255)))
+);
+
+--
+-- Name: routing_epoch; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.routing_epoch (
+    only_row boolean DEFAULT true NOT NULL,
+    n bigint NOT NULL,
+    CONSTRAINT routing_epoch_only_row_check CHECK (only_row)
+);
+
+--
+-- Name: routing_epoch_seq; Type: SEQUENCE; Schema: pgskip; Owner: -
+--
+
+CREATE SEQUENCE pgskip.routing_epoch_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1;
+
+--
+-- Name: beat_entries beat_entries_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.beat_entries
+    ADD CONSTRAINT beat_entries_pkey PRIMARY KEY (name);
+
+--
+-- Name: beat_slots beat_slots_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.beat_slots
+    ADD CONSTRAINT beat_slots_pkey PRIMARY KEY (entry, slot);
+
+--
+-- Name: bindings bindings_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.bindings
+    ADD CONSTRAINT bindings_pkey PRIMARY KEY (exchange, queue, routing_key);
+
+--
+-- Name: consumer_queues consumer_queues_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.consumer_queues
+    ADD CONSTRAINT consumer_queues_pkey PRIMARY KEY (consumer, queue);
+
+--
+-- Name: consumers consumers_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.consumers
+    ADD CONSTRAINT consumers_pkey PRIMARY KEY (id);
+
+--
+-- Name: exchanges exchanges_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.exchanges
+    ADD CONSTRAINT exchanges_pkey PRIMARY KEY (name);
+
+--
+-- Name: jobs jobs_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs
+    ADD CONSTRAINT jobs_pkey PRIMARY KEY (id);
+
+--
+-- Name: migrations migrations_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.migrations
+    ADD CONSTRAINT migrations_pkey PRIMARY KEY (version);
+
+--
+-- Name: queues queues_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.queues
+    ADD CONSTRAINT queues_pkey PRIMARY KEY (name);
+
+--
+-- Name: routing_epoch routing_epoch_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.routing_epoch
+    ADD CONSTRAINT routing_epoch_pkey PRIMARY KEY (only_row);
+
+--
+-- Name: bindings_queue; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX bindings_queue ON pgskip.bindings USING btree (queue);
+
+--
+-- Name: consumer_queues_by_queue; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX consumer_queues_by_queue ON pgskip.consumer_queues USING btree (queue, polling);
+
+--
+-- Name: jobs_completed; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_completed ON pgskip.jobs USING btree (finished_at) WHERE (status = 'completed'::pgskip.job_status);
+
+--
+-- Name: jobs_dequeue; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_dequeue ON pgskip.jobs USING btree (queue, priority DESC, run_at, id) WHERE (status = 'pending'::pgskip.job_status);
+
+--
+-- Name: jobs_expiring; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_expiring ON pgskip.jobs USING btree (expires_at) WHERE ((expires_at IS NOT NULL) AND (status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status])));
+
+--
+-- Name: jobs_failed; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_failed ON pgskip.jobs USING btree (queue, finished_at) WHERE (status = 'failed'::pgskip.job_status);
+
+--
+-- Name: jobs_running; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_running ON pgskip.jobs USING btree (locked_by) WHERE (status = 'running'::pgskip.job_status);
+
+--
+-- Name: jobs_scheduled; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_scheduled ON pgskip.jobs USING btree (run_at) WHERE (status = 'scheduled'::pgskip.job_status);
+
+--
+-- Name: queues_expiring; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX queues_expiring ON pgskip.queues USING btree (last_used_at) WHERE (expires IS NOT NULL);
+
+--
+-- Name: bindings bindings_routing_epoch; Type: TRIGGER; Schema: pgskip; Owner: -
+--
+
+CREATE TRIGGER bindings_routing_epoch AFTER INSERT OR DELETE ON pgskip.bindings FOR EACH ROW EXECUTE FUNCTION pgskip.bump_routing_epoch();
+
+--
+-- Name: bindings bindings_routing_epoch_truncate; Type: TRIGGER; Schema: pgskip; Owner: -
+--
+
+CREATE TRIGGER bindings_routing_epoch_truncate AFTER TRUNCATE ON pgskip.bindings FOR EACH STATEMENT EXECUTE FUNCTION pgskip.bump_routing_epoch();
+
+--
+-- Name: bindings bindings_routing_epoch_update; Type: TRIGGER; Schema: pgskip; Owner: -
+--
+
+CREATE TRIGGER bindings_routing_epoch_update AFTER UPDATE ON pgskip.bindings FOR EACH ROW WHEN (((((old.exchange IS DISTINCT FROM new.exchange) OR (old.queue IS DISTINCT FROM new.queue)) OR (old.routing_key IS DISTINCT FROM new.routing_key)) OR (old.pattern IS DISTINCT FROM new.pattern))) EXECUTE FUNCTION pgskip.bump_routing_epoch();
+
+--
+-- Name: consumers consumers_queues_rows; Type: TRIGGER; Schema: pgskip; Owner: -
+--
+
+CREATE TRIGGER consumers_queues_rows AFTER INSERT OR DELETE ON pgskip.consumers FOR EACH ROW EXECUTE FUNCTION pgskip.sync_consumer_queues();
+
+--
+-- Name: consumers consumers_queues_truncate; Type: TRIGGER; Schema: pgskip; Owner: -
+--
+
+CREATE TRIGGER consumers_queues_truncate AFTER TRUNCATE ON pgskip.consumers FOR EACH STATEMENT EXECUTE FUNCTION pgskip.sync_consumer_queues();
+
+--
+-- Name: consumers consumers_queues_update; Type: TRIGGER; Schema: pgskip; Owner: -
+--
+
+CREATE TRIGGER consumers_queues_update AFTER UPDATE OF id, queues, polling ON pgskip.consumers FOR EACH ROW WHEN ((((old.id IS DISTINCT FROM new.id) OR (old.queues IS DISTINCT FROM new.queues)) OR (old.polling IS DISTINCT FROM new.polling))) EXECUTE FUNCTION pgskip.sync_consumer_queues();
+
+--
+-- Name: exchanges exchanges_routing_epoch_delete; Type: TRIGGER; Schema: pgskip; Owner: -
+--
+
+CREATE TRIGGER exchanges_routing_epoch_delete AFTER DELETE ON pgskip.exchanges FOR EACH ROW EXECUTE FUNCTION pgskip.bump_routing_epoch();
+
+--
+-- Name: exchanges exchanges_routing_epoch_truncate; Type: TRIGGER; Schema: pgskip; Owner: -
+--
+
+CREATE TRIGGER exchanges_routing_epoch_truncate AFTER TRUNCATE ON pgskip.exchanges FOR EACH STATEMENT EXECUTE FUNCTION pgskip.bump_routing_epoch();
+
+--
+-- Name: exchanges exchanges_routing_epoch_type; Type: TRIGGER; Schema: pgskip; Owner: -
+--
+
+CREATE TRIGGER exchanges_routing_epoch_type AFTER UPDATE OF type ON pgskip.exchanges FOR EACH ROW WHEN ((old.type IS DISTINCT FROM new.type)) EXECUTE FUNCTION pgskip.bump_routing_epoch();
+
+--
+-- Name: queues queues_routing_epoch; Type: TRIGGER; Schema: pgskip; Owner: -
+--
+
+CREATE TRIGGER queues_routing_epoch AFTER INSERT OR DELETE ON pgskip.queues FOR EACH ROW EXECUTE FUNCTION pgskip.bump_routing_epoch();
+
+--
+-- Name: queues queues_routing_epoch_expires; Type: TRIGGER; Schema: pgskip; Owner: -
+--
+
+CREATE TRIGGER queues_routing_epoch_expires AFTER UPDATE OF expires ON pgskip.queues FOR EACH ROW WHEN ((old.expires IS DISTINCT FROM new.expires)) EXECUTE FUNCTION pgskip.bump_routing_epoch();
+
+--
+-- Name: queues queues_routing_epoch_truncate; Type: TRIGGER; Schema: pgskip; Owner: -
+--
+
+CREATE TRIGGER queues_routing_epoch_truncate AFTER TRUNCATE ON pgskip.queues FOR EACH STATEMENT EXECUTE FUNCTION pgskip.bump_routing_epoch();
+
+--
+-- Name: beat_slots beat_slots_entry_fkey; Type: FK CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.beat_slots
+    ADD CONSTRAINT beat_slots_entry_fkey FOREIGN KEY (entry) REFERENCES pgskip.beat_entries(name) ON DELETE CASCADE;
+
+--
+-- Name: bindings bindings_exchange_fkey; Type: FK CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.bindings
+    ADD CONSTRAINT bindings_exchange_fkey FOREIGN KEY (exchange) REFERENCES pgskip.exchanges(name) ON DELETE CASCADE;
+
+--
+-- Name: bindings bindings_queue_fkey; Type: FK CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.bindings
+    ADD CONSTRAINT bindings_queue_fkey FOREIGN KEY (queue) REFERENCES pgskip.queues(name) ON DELETE CASCADE;
+
+--
+-- Name: TYPE job_status; Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON TYPE pgskip.job_status FROM PUBLIC;
+
+--
+-- Name: FUNCTION beat_cron_next(after timestamp with time zone, tz text, minutes smallint[], hours smallint[], days_of_week smallint[], days_of_month smallint[], months smallint[]); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.beat_cron_next(after timestamp with time zone, tz text, minutes smallint[], hours smallint[], days_of_week smallint[], days_of_month smallint[], months smallint[]) FROM PUBLIC;
+
+--
+-- Name: FUNCTION beat_emit(e pgskip.beat_entries, slot timestamp with time zone, fired_at timestamp with time zone); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.beat_emit(e pgskip.beat_entries, slot timestamp with time zone, fired_at timestamp with time zone) FROM PUBLIC;
+
+--
+-- Name: FUNCTION beat_isoformat(t timestamp with time zone); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.beat_isoformat(t timestamp with time zone) FROM PUBLIC;
+
+--
+-- Name: FUNCTION beat_local_to_utc(wall timestamp without time zone, tz text); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.beat_local_to_utc(wall timestamp without time zone, tz text) FROM PUBLIC;
+
+--
+-- Name: FUNCTION beat_next_slot(e pgskip.beat_entries, after timestamp with time zone); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.beat_next_slot(e pgskip.beat_entries, after timestamp with time zone) FROM PUBLIC;
+
+--
+-- Name: FUNCTION beat_payload(template jsonb, id_paths jsonb, task_id text, eta timestamp with time zone, expires timestamp with time zone); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.beat_payload(template jsonb, id_paths jsonb, task_id text, eta timestamp with time zone, expires timestamp with time zone) FROM PUBLIC;
+
+--
+-- Name: FUNCTION bump_routing_epoch(); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.bump_routing_epoch() FROM PUBLIC;
+
+--
+-- Name: FUNCTION expire_queues(OUT queues bigint, OUT messages bigint); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.expire_queues(OUT queues bigint, OUT messages bigint) FROM PUBLIC;
+
+--
+-- Name: FUNCTION fire_due(now timestamp with time zone, lookahead interval); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.fire_due(now timestamp with time zone, lookahead interval) FROM PUBLIC;
+
+--
+-- Name: FUNCTION prune(completed_after interval, failed_after interval); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.prune(completed_after interval, failed_after interval) FROM PUBLIC;
+
+--
+-- Name: FUNCTION prune_completed_batch(cutoff timestamp with time zone, batch integer); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.prune_completed_batch(cutoff timestamp with time zone, batch integer) FROM PUBLIC;
+
+--
+-- Name: PROCEDURE prune_in_batches(IN completed_after interval, IN failed_after interval, IN batch integer, INOUT completed bigint, INOUT failed bigint, INOUT slots bigint); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON PROCEDURE pgskip.prune_in_batches(IN completed_after interval, IN failed_after interval, IN batch integer, INOUT completed bigint, INOUT failed bigint, INOUT slots bigint) FROM PUBLIC;
+
+--
+-- Name: FUNCTION sweep(max_attempts integer); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.sweep(max_attempts integer) FROM PUBLIC;
+
+--
+-- Name: FUNCTION sync_consumer_queues(); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.sync_consumer_queues() FROM PUBLIC;
