@@ -88,21 +88,36 @@ def worker_side(
 
 
 def end_to_end(
-    broker: Broker, *, n: int, timeout: float, celery_defaults: bool = False
+    broker: Broker,
+    *,
+    n: int,
+    timeout: float,
+    celery_defaults: bool = False,
+    via_exchange: bool = False,
 ) -> dict[str, Any]:
     """An idle worker (``-P threads -c 4``); one publisher sends ``n`` tasks back to back.
     ``celery_defaults``: the worker as it runs out of the box (remote control, gossip, mingle
-    and heartbeats on)."""
+    and heartbeats on).
+
+    Celery sends a task routed by default to the default exchange (``""``, the routing key
+    naming the queue), which pgskip inserts without routing. ``via_exchange``: each
+    ``apply_async`` names the queue's exchange and routing key, as a task routed through an
+    exchange (``task_routes`` with ``exchange``) is published: pgskip routes it through the
+    exchange's bindings (``Store.publish_routed``, or the route it remembered)."""
     broker.reset()
     with idle_worker(broker, "e2e", celery_defaults=celery_defaults) as (app, stamps, (worker,)):
         if not warm_up(app, stamps):
             return {"error": "worker did not start", "worker_log": worker.log_tail()}
         task = app.tasks["bench.noop"]
+        route: dict[str, Any] = {}
+        if via_exchange:
+            queue = app.amqp.queues[app.conf.task_default_queue]
+            route = {"exchange": queue.exchange.name, "routing_key": queue.routing_key}
         durations: list[float] = []
         t0 = time.time()
         for i in range(n):
             c0 = time.perf_counter()
-            task.apply_async(kwargs={"i": i})
+            task.apply_async(kwargs={"i": i}, **route)
             durations.append(time.perf_counter() - c0)
         t_pub = time.time()
         done = stamps.wait_for(n, timeout)

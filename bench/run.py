@@ -13,20 +13,35 @@ Measurements (``--only`` takes these names, comma-separated):
   end_to_end         Celery: one publisher, idle worker, publish to task start
   end_to_end_defaults  the same with the worker as it runs out of the box (remote control,
                      gossip, mingle and heartbeats on; the other measurements turn them off)
+  end_to_end_exchange  end to end for pgskip (and its variants) with each apply_async naming
+                     the queue's exchange and routing key (routed through the bindings; the
+                     others publish to the default exchange, which pgskip does not route)
   latency            Celery: apply_async (and apply_async_in) to task start, idle worker
   scaling            Celery worker side with 1, 2, 4, 8 worker processes
   memory             worker RSS while tasks with a one-hour countdown arrive
   steady_state       messages through pgskip with pruning: table size and fetch latency
 
 Brokers: pgskip, pgskip-async (publisher with synchronous_commit=off), rabbitmq, redis,
-sqlalchemy. ``--brokers`` restricts them. Figures are printed as a table and written to
-``DIR/results-<mode>-<time>.json`` (and ``DIR/latest-<mode>.json``) with PNG charts beside.
-Nothing is asserted.
+sqlalchemy. ``--brokers`` restricts them. Two variants of pgskip on its database run only when
+``--brokers`` names them, in raw_kombu, worker_side, end_to_end, end_to_end_exchange, latency,
+scaling and memory (each right after pgskip):
+
+  pgskip-nobusy      transport option busy_polling=False: workers never poll, every publish
+                     sends its NOTIFY (no quiet publish)
+  pgskip-noroute     the route cache off in publishers and workers (BENCH_NO_ROUTE_CACHE=1,
+                     bench/route_cache.py): every publish to a named exchange runs
+                     publish_routed. Only raw_kombu and end_to_end_exchange publish to one:
+                     Celery sends default-routed tasks to the default exchange, never routed
+
+Figures are printed as a table (with a section of the variants' figures against pgskip's
+when they ran) and written to ``DIR/results-<mode>-<time>.json`` (and
+``DIR/latest-<mode>.json``) with PNG charts beside. Nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
@@ -37,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from . import report
-from .brokers import BenchEnv, Broker
+from .brokers import OPT_IN, BenchEnv, Broker
 from .common import REPO, Mode, code_state, log, machine_info, median, wait_quiet
 
 ALL = (
@@ -47,12 +62,13 @@ ALL = (
     "worker_side",
     "end_to_end",
     "end_to_end_defaults",
+    "end_to_end_exchange",
     "latency",
     "scaling",
     "memory",
     "steady_state",
 )
-CELERY_BROKERS = ("pgskip", "rabbitmq", "redis", "sqlalchemy")
+CELERY_BROKERS = ("pgskip", "pgskip-nobusy", "pgskip-noroute", "rabbitmq", "redis", "sqlalchemy")
 # Staying small: (result key, autovacuum_naptime, keep_completed).
 STEADY_STATES = (
     ("steady_state", None, True),
@@ -84,6 +100,8 @@ class Runner:
     def broker(self, name: str) -> Broker | None:
         if self.want_brokers is not None and name not in self.want_brokers:
             return None
+        if self.want_brokers is None and name in OPT_IN:
+            return None
         b = self.env.brokers.get(name)
         return b if b is not None and b.available else None
 
@@ -98,15 +116,21 @@ class Runner:
         return seen
 
     def repeat(
-        self, what: str, fn: Callable[[], dict[str, Any]], runs: int | None = None
+        self,
+        what: str,
+        fn: Callable[[], dict[str, Any]],
+        runs: int | None = None,
+        broker: Broker | None = None,
     ) -> dict[str, Any]:
-        """Run ``fn`` ``runs`` times (after waiting for a quiet machine); keep runs and medians."""
+        """Run ``fn`` ``runs`` times (after waiting for a quiet machine); keep runs and medians.
+        ``broker``: its ``env`` is set in this process while ``fn`` runs."""
         out: dict[str, Any] = {"runs": []}
         for _ in range(runs or self.mode.runs):
             load = self.quiet()
             t0 = time.monotonic()
             try:
-                res = fn()
+                with broker.environment() if broker is not None else contextlib.nullcontext():
+                    res = fn()
             except Exception as exc:
                 log(f"{what}: ERROR {exc!r}")
                 self.errors.append(
@@ -159,7 +183,7 @@ class Runner:
         from .raw import kombu_publish_consume
 
         out: dict[str, Any] = {}
-        for name in ("pgskip", "pgskip-async", "rabbitmq", "redis", "sqlalchemy"):
+        for name in ("pgskip", *OPT_IN, "pgskip-async", "rabbitmq", "redis", "sqlalchemy"):
             b = self.broker(name)
             if b is None:
                 continue
@@ -173,6 +197,7 @@ class Runner:
                     consume_cap=cap,
                     consume=b.name != "pgskip-async",
                 ),
+                broker=b,
             )
         pg = self.broker("pgskip")
         if pg is not None:
@@ -230,14 +255,14 @@ class Runner:
                     acks_late=acks_late,
                     celery_defaults=defaults,
                 )
-                out[key][name] = self.repeat(f"worker_side {key} {name}", run)
+                out[key][name] = self.repeat(f"worker_side {key} {name}", run, broker=b)
         self.results["worker_side"] = out
 
     def end_to_end(self) -> None:
         from .celery_bench import end_to_end
 
         out: dict[str, Any] = {}
-        for name in ("pgskip", "pgskip-async", "rabbitmq", "redis", "sqlalchemy"):
+        for name in ("pgskip", *OPT_IN, "pgskip-async", "rabbitmq", "redis", "sqlalchemy"):
             b = self.broker(name)
             if b is None:
                 continue
@@ -246,6 +271,7 @@ class Runner:
             out[name] = self.repeat(
                 f"end_to_end {name}",
                 lambda b=b, n=n: end_to_end(b, n=n, timeout=self.mode.worker_timeout),
+                broker=b,
             )
         self.results["end_to_end"] = out
 
@@ -267,12 +293,33 @@ class Runner:
             )
         self.results["end_to_end_defaults"] = out
 
+    def end_to_end_exchange(self) -> None:
+        from .celery_bench import end_to_end
+
+        out: dict[str, Any] = {}
+        for name in ("pgskip", *OPT_IN):
+            b = self.broker(name)
+            if b is None:
+                continue
+            n = self.mode.e2e_tasks
+            log(f"end to end through the queue's exchange: {name} ({n} tasks)")
+            out[name] = self.repeat(
+                f"end_to_end_exchange {name}",
+                lambda b=b, n=n: end_to_end(
+                    b, n=n, timeout=self.mode.worker_timeout, via_exchange=True
+                ),
+                broker=b,
+            )
+        self.results["end_to_end_exchange"] = out
+
     def latency(self) -> None:
         from .latency import latency
 
         out: dict[str, Any] = {}
         configs = [
             ("pgskip", "pgskip", False, False),
+            ("pgskip-nobusy", "pgskip-nobusy", False, False),
+            ("pgskip-noroute", "pgskip-noroute", False, False),
             ("pgskip-apply_async_in", "pgskip", True, False),
             ("pgskip-async", "pgskip-async", False, False),
             ("rabbitmq", "rabbitmq", False, False),
@@ -294,6 +341,7 @@ class Runner:
                 lambda b=b, s=samples, t=in_txn, sp=spin: latency(
                     b, samples=s, gap=self.mode.latency_gap, in_transaction=t, spin=sp
                 ),
+                broker=b,
             )
             out[key] = res
         self.results["latency"] = out
@@ -326,6 +374,7 @@ class Runner:
                         processes=k,
                     ),
                     runs=1 if self.mode.name == "short" else None,
+                    broker=b,
                 )
         self.results["scaling"] = out
 
@@ -343,6 +392,7 @@ class Runner:
                 f"memory {name}",
                 lambda b=b, n=n: memory(b, n=n, settle=self.mode.memory_settle),
                 runs=1,
+                broker=b,
             )
         self.results["memory"] = out
 
