@@ -11,8 +11,6 @@ broker-neutral clock measures every broker. Configuration comes from the environ
 * ``BENCH_ACKS_LATE``: ``1`` for ``task_acks_late`` with ``worker_prefetch_multiplier = 1`` (the
   settings Celery recommends for tasks that must survive a worker's crash)
 * ``BENCH_CELERY_DEFAULTS``: ``1`` for remote control on, as a worker runs out of the box
-* ``BENCH_NO_ROUTE_CACHE``: ``1`` for the route cache off (:mod:`bench.route_cache`, the
-  ``pgskip-noroute`` broker)
 """
 
 from __future__ import annotations
@@ -26,10 +24,6 @@ from typing import Any
 from celery import Celery
 
 import kombu_pgskip  # noqa: F401  (registers the pgskip:// scheme)
-
-from . import route_cache
-
-route_cache.install()
 
 _lock = threading.Lock()
 _out: Any = None

@@ -5,23 +5,9 @@
 * ``pgskip-async``: the same database with the transport option ``durable_publish=False``:
   publishes commit with ``synchronous_commit=off``, the opt-in mode whose risk is that the last
   few hundred milliseconds of acknowledged publishes can be lost if the server crashes.
-* ``pgskip-nobusy``: the same database with the transport option ``busy_polling=False``: workers
-  never poll nor mark their consumers polling, so every publish sends its NOTIFY (no quiet
-  publish). Measures what busy polling and the quiet publish are worth.
-* ``pgskip-noroute``: the same database with the route cache off in the bench's publishers and
-  workers (``BENCH_NO_ROUTE_CACHE=1``, :mod:`bench.route_cache`; the transport has no option for
-  it): every publish to a named exchange runs ``publish_routed`` (the routing joins, its NOTIFY
-  inside the insert's transaction, never quiet) instead of ``insert_remembered`` guarded by the
-  routing epoch. Measures what the routing epoch (migration 0005) is worth. Named exchanges
-  are those of kombu producers (``raw_kombu``) and of Celery tasks routed through an exchange
-  (``end_to_end_exchange``); Celery sends a task routed by default to the default exchange,
-  which is never routed, so the other Celery measurements run the same statements as
-  ``pgskip`` under this variant.
 * ``sqlalchemy``: kombu's SQLAlchemy transport on the same cluster, database ``sqla_bench``.
 * ``rabbitmq``: 127.0.0.1:5672 (guest/guest), pyamqp without publisher confirms.
 * ``redis``: 127.0.0.1:6379, database 13 (flushed between measurements), no AOF.
-
-The two variants run only where ``--brokers`` names them (:data:`OPT_IN`).
 
 Redis and RabbitMQ are started if absent (``redis-server --daemonize yes ...``,
 ``rabbitmq-server -detached``); when that fails they are reported unavailable, never fatal.
@@ -30,28 +16,21 @@ Redis and RabbitMQ are started if absent (``redis-server --daemonize yes ...``,
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 
-from . import route_cache
 from .common import log
-
-route_cache.install()
 
 REDIS_DB = 13
 PG_DATABASES = ("pgskip_bench", "sqla_bench", "raw_bench")
 #: The brokers on pgskip's database (emptied alike by :meth:`Broker.reset`).
-PGSKIP_BROKERS = ("pgskip", "pgskip-async", "pgskip-nobusy", "pgskip-noroute")
-#: Variants measured only when ``--brokers`` names them.
-OPT_IN = ("pgskip-nobusy", "pgskip-noroute")
+PGSKIP_BROKERS = ("pgskip", "pgskip-async")
 
 
 @dataclass
@@ -65,27 +44,10 @@ class Broker:
     available: bool = False
     reason: str = ""
     slow: bool = False  # kombu's SQLAlchemy transport: smaller workloads, capped waits
-    # Environment variables of its workers, and of the bench process while it is measured
-    # (environment()): pgskip-noroute's BENCH_NO_ROUTE_CACHE.
-    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def publisher_url(self) -> str | None:
         return self.publish_url or self.url
-
-    @contextlib.contextmanager
-    def environment(self) -> Iterator[None]:
-        """``env`` set in this process (publishers created meanwhile see it), then restored."""
-        saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     def reset(self) -> None:
         """Empty every queue of this broker (called before each measurement)."""
@@ -257,27 +219,6 @@ class BenchEnv:
                 transport_options={"durable_publish": False},
                 db_url=pg_url,
                 available=True,
-            )
-            self.brokers["pgskip-nobusy"] = Broker(
-                "pgskip-nobusy",
-                "pgskip, busy_polling=False (workers never poll, every publish notifies)",
-                url=f"pgskip://{host}/pgskip_bench",
-                transport_options={"busy_polling": False},
-                db_url=pg_url,
-                available=True,
-            )
-            self.brokers["pgskip-noroute"] = Broker(
-                "pgskip-noroute",
-                "pgskip, route cache off (publish_routed for every publish to an exchange)",
-                url=f"pgskip://{host}/pgskip_bench",
-                # Ignored by the transport (it skips options it does not know), but part of
-                # the key of kombu's producer pools: Celery apps of this process then publish
-                # through a Store of their own, not through the one pgskip's publishers
-                # created (same URL), which remembers routes.
-                transport_options={"bench_route_cache": False},
-                db_url=pg_url,
-                available=True,
-                env={route_cache.ENV: "1"},
             )
             try:
                 import sqlalchemy  # noqa: F401

@@ -103,7 +103,8 @@ def end_to_end(
     naming the queue), which pgskip inserts without routing. ``via_exchange``: each
     ``apply_async`` names the queue's exchange and routing key, as a task routed through an
     exchange (``task_routes`` with ``exchange``) is published: pgskip routes it through the
-    exchange's bindings (``Store.publish_routed``, or the route it remembered)."""
+    exchange's bindings at every publish (``Store.publish_routed``: one statement,
+    ``publish_routed``)."""
     broker.reset()
     with idle_worker(broker, "e2e", celery_defaults=celery_defaults) as (app, stamps, (worker,)):
         if not warm_up(app, stamps):

@@ -44,8 +44,7 @@ class Mode:
         # Scaling curve.
         self.scaling_procs = (1, 2, 4, 8)
         self.scaling_backlog = 1500 if short else 5000
-        # None: all; pgskip's variants run only where --brokers names them.
-        self.scaling_brokers = ("pgskip", "pgskip-nobusy", "pgskip-noroute") if short else None
+        self.scaling_brokers = ("pgskip",) if short else None  # None: all
         # Memory with far-future countdowns.
         self.memory_tasks = 2000 if short else 100_000
         self.memory_tasks_slow = 500 if short else 20_000

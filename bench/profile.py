@@ -8,12 +8,11 @@
    same statement counts.
 3. CPU per publish (``--publish-cpu`` runs only this): client CPU (the process's CPU time),
    server CPU (the backend's utime + stime from ``/proc``) and wall time per durable publish,
-   for a kombu ``Producer`` to a named direct exchange and to the default exchange and for
-   Celery's ``apply_async``; medians of 5 rounds of 2,000. CPU time is far less disturbed by
-   other load than wall time, so it shows what a change to the publish path saves. The named
-   exchange is measured twice: as it runs (the route remembered after the first publish,
-   migration 0005) and with the remembered route forgotten before every publish (routed by
-   ``publish_routed`` each time, as before 0005), alternately in the same rounds.
+   for a kombu ``Producer`` to a named direct exchange (routed through its bindings by
+   ``publish_routed``, one statement, at every publish) and to the default exchange (the
+   queue named by the routing key: ``insert_message`` then ``announce``) and for Celery's
+   ``apply_async``; medians of 5 rounds of 2,000. CPU time is far less disturbed by other load
+   than wall time, so it shows what a change to the publish path saves.
 4. Plans of the worker's fetch (``--fetch-plans`` runs only this): server CPU and wall time per
    ``ack_fetch`` on the event-loop fetcher's connection (``AsyncFetcher``) with PostgreSQL's
    default ``plan_cache_mode`` (a custom plan, planned for every fetch) and with the forced
@@ -40,15 +39,20 @@
    the time from publish to the consumer's callback (p50, p99), and how many of the notified
    fetches took nothing.
 
-7. A publish beside a large fleet (``--fleet`` runs only this): wall time per
-   ``Store.publish`` (the publish path without kombu; ``synchronous_commit=off`` on its
-   connection, so that the figure is the statements' and not the disk's) with the consumer rows
-   of a fleet of workers of ``--fleet-sizes`` (default 1,1000,3000; each worker has a row for
-   ``celery`` and one for its own remote-control queue), for four shapes: a queue whose two
-   consumers, registered after the fleet, poll, beside a fleet idle on ``celery`` and beside
-   one polling it; and ``celery`` itself, with the fleet idle (announced) and polling (quiet).
-   Medians of 5 rounds of 1,000 after 50. Measures how a publish's read of its queue's polling
-   flags grows with the number of workers (migrations 0009, 0010).
+7. A routed publish beside a large fleet (``--fleet`` runs only this): wall time per
+   ``Store.publish_routed`` (the publish path through a named exchange without kombu;
+   ``synchronous_commit=off`` on its connection, so that the figure is the statement's and not
+   the disk's) to a queue bound to a direct exchange and consumed by one consumer registered
+   after the fleet, with the consumer rows of a fleet of workers of ``--fleet-sizes`` (default
+   1,1000,3000; each worker has a row for ``celery`` and one for its own remote-control queue),
+   for three shapes of the queue: without ``x-expires``; with an ``x-expires`` of 10 s, used
+   within it; and with that ``x-expires`` run out since its last use, which ``publish_routed``
+   answers by looking for a live consumer of the queue in ``consumers`` (a scan: no index
+   covers ``consumers.queues``). A Celery remote-control queue (``x-expires`` 10 s) is in that
+   last shape from the end of its 10 s until its consumer's next heartbeat marks it used
+   (every ``lease_seconds / 3``, 10 s by default). Medians of 5 rounds of 1,000 after 50.
+   Measures how the one read of ``consumers`` a publish makes grows with the number of
+   workers.
 
 It runs its own EmbeddedPostgres (fsync on) with ``pg_stat_statements`` preloaded.
 """
@@ -60,6 +64,7 @@ import collections
 import contextlib
 import cProfile
 import dataclasses
+import functools
 import json
 import pstats
 import shutil
@@ -169,13 +174,8 @@ def publish_cpu(broker: Broker, *, rounds: int = 5, n: int = 2000) -> dict[str, 
             chan, exchange=named, routing_key="bench.cpu", serializer="json"
         ).publish
 
-        def routed_every_time(*args: Any, **kwargs: Any) -> None:
-            chan.store._routes.clear()
-            named_publish(*args, **kwargs)
-
         calls: dict[str, Callable[..., Any]] = {
             "kombu_named_exchange": named_publish,
-            "kombu_named_exchange_routed_every_time": routed_every_time,
             "kombu_default_exchange": Producer(
                 chan, exchange=Exchange(""), routing_key="bench.cpu", serializer="json"
             ).publish,
@@ -270,13 +270,13 @@ def fetch_plans(url: str, *, rounds: int = 5) -> dict[str, Any]:
     return out
 
 
-# (fetch_cooldown, fetch_cooldown_max, busy_polling): fixed at 0, 2 ms and 5 ms, and the default.
-Cooldown = tuple[float, float, bool]
+# (fetch_cooldown, fetch_cooldown_max): fixed at 0, 2 ms and 5 ms, and the default.
+Cooldown = tuple[float, float]
 E2E_COOLDOWNS: tuple[Cooldown, ...] = (
-    (0.0, 0.0, True),
-    (0.002, 0.002, True),
-    (0.005, 0.005, True),
-    (0.002, 0.02, True),
+    (0.0, 0.0),
+    (0.002, 0.002),
+    (0.005, 0.005),
+    (0.002, 0.02),
 )
 
 
@@ -306,7 +306,6 @@ def e2e_cpu(
                 transport_options={
                     "fetch_cooldown": cooldown[0],
                     "fetch_cooldown_max": cooldown[1],
-                    "busy_polling": cooldown[2],
                 },
             )
             with idle_worker(b, "e2ecpu", workers) as (app, stamps, started):
@@ -437,7 +436,6 @@ def blocking_consumers(
                     "polling_interval": 5,
                     "fetch_cooldown": cooldown[0],
                     "fetch_cooldown_max": cooldown[1],
-                    "busy_polling": cooldown[2],
                 }
                 stop, results = mp.Event(), mp.Queue()  # type: ignore[var-annotated]
                 readies = [mp.Event() for _ in range(count)]
@@ -523,79 +521,86 @@ def sample_message_json() -> str:
 
 
 def _cooldown_name(cooldown: Cooldown) -> str:
-    base, ceiling, busy = cooldown
+    base, ceiling = cooldown
     name = f"fetch_cooldown={base}"
     if ceiling > base:
         name += f", fetch_cooldown_max={ceiling}"
-    return name if busy else f"{name}, busy_polling=False"
+    return name
 
 
 def _cooldowns(text: str) -> tuple[Cooldown, ...]:
-    """``0.002:0.02,0.005,0.002:0.02/off`` as ((0.002, 0.02, True), (0.005, 0.005, True),
-    (0.002, 0.02, False)): ``/off`` turns ``busy_polling`` off."""
+    """``0.002:0.02,0.005`` as ((0.002, 0.02), (0.005, 0.005))."""
     out = []
     for part in text.split(","):
-        spec, _, busy = part.partition("/")
-        base, _, ceiling = spec.partition(":")
-        out.append((float(base), float(ceiling or base), busy != "off"))
+        base, _, ceiling = part.partition(":")
+        out.append((float(base), float(ceiling or base)))
     return tuple(out)
 
 
-FLEET_SHAPES: dict[str, tuple[str, bool, bool | None]] = {
-    # name: (queue published to, the fleet polls celery, the queue's own two consumers poll)
-    "reports_beside_idle_fleet": ("reports", False, True),
-    "reports_beside_polling_fleet": ("reports", True, True),
-    "celery_fleet_idle": ("celery", False, None),
-    "celery_fleet_polling": ("celery", True, None),
+FLEET_SHAPES: dict[str, tuple[int | None, bool]] = {
+    # name: (the queue's x-expires in ms, its last use longer ago than that)
+    "no_expires": (None, False),
+    "expires_used": (10_000, False),
+    "expires_lapsed": (10_000, True),
 }
+#: Puts the queue's last use this many seconds back (part 7).
+MARK_USED = (
+    "UPDATE pgskip.queues SET last_used_at = now() - make_interval(secs => %s) WHERE name = %s"
+)
 
 
 def fleet(
     url: str, *, sizes: tuple[int, ...] = (1, 1000, 3000), rounds: int = 5, n: int = 1000
 ) -> dict[str, Any]:
-    """Wall time per ``Store.publish`` (us) by fleet shape and size (part 7)."""
+    """Wall time per ``Store.publish_routed`` (us) by queue shape and fleet size (part 7)."""
     import uuid
 
     from kombu_pgskip.store import NewMessage, Store
 
+    queue = "reports"
     out: dict[str, Any] = {"rounds": rounds, "calls_per_round": n}
+
+    def empty(admin: psycopg.Connection[Any]) -> None:
+        for table in ("consumers", "jobs", "queues", "exchanges"):  # bindings go with them
+            admin.execute(f"DELETE FROM pgskip.{table}")
+
     with psycopg.connect(url, autocommit=True) as admin:
-        for name, (queue, fleet_polls, own_poll) in FLEET_SHAPES.items():
+        for name, (expires, lapsed) in FLEET_SHAPES.items():
             out[name] = {}
             for size in sizes:
-                admin.execute("DELETE FROM pgskip.consumers")
-                admin.execute("DELETE FROM pgskip.jobs")
+                empty(admin)
                 admin.execute(
-                    "INSERT INTO pgskip.consumers (id, hostname, pid, queues, lease_until, polling)"
+                    "INSERT INTO pgskip.consumers (id, hostname, pid, queues, lease_until)"
                     " SELECT gen_random_uuid(), 'fleet', g, ARRAY['celery', 'w' || g || '.pidbox'],"
-                    "        now() + interval '1 hour', %s"
+                    "        now() + interval '1 hour'"
                     "   FROM generate_series(1, %s) AS g",
-                    (fleet_polls, size),
+                    (size,),
                 )
                 store = Store(url, check=False, options="-c synchronous_commit=off")
                 try:
-                    if own_poll is not None:
-                        own = [uuid.uuid4(), uuid.uuid4()]
-                        for cid in own:
-                            store.register_consumer(cid, hostname="own", queues=[queue], lease=600)
-                        if own_poll:
-                            store.start_polling(own)
-                    # consumers, and consumer_queues where the schema has it (an A/B
-                    # against code from before migration 0010 runs this same function).
-                    for (table,) in admin.execute(
-                        "SELECT c.oid::regclass::text FROM pg_class AS c"
-                        " WHERE c.relnamespace = 'pgskip'::regnamespace AND c.relkind = 'r'"
-                        "   AND c.relname LIKE 'consumer%%'"
-                    ).fetchall():
-                        admin.execute(f"VACUUM ANALYZE {table}")
+                    store.declare_exchange(queue, "direct")
+                    store.declare_queue(
+                        queue, arguments=None if expires is None else {"x-expires": expires}
+                    )
+                    store.bind(queue, queue, queue, type="direct")
+                    store.register_consumer(uuid.uuid4(), hostname="own", queues=[queue], lease=600)
+                    admin.execute("VACUUM ANALYZE pgskip.consumers")
+
+                    age = 3600 if lapsed else 0
                     message = NewMessage(queue, 0, "pending", None, '{"x": 1}', "t", "x", None)
+                    publish = functools.partial(
+                        store.publish_routed, message, exchange=queue, routing_key=queue, queues=()
+                    )
+                    admin.execute(MARK_USED, (age, queue))
                     for _ in range(50):
-                        store.publish(message)
+                        if publish() != [queue]:
+                            raise RuntimeError(f"fleet {name}: {queue} not found live")
                     per_round = []
                     for _ in range(rounds):
+                        admin.execute(MARK_USED, (age, queue))
                         t0 = time.perf_counter()
                         for _ in range(n):
-                            store.publish(message)
+                            publish()
                         per_round.append(1e6 * (time.perf_counter() - t0) / n)
                 finally:
                     store.close()
@@ -604,8 +609,7 @@ def fleet(
                     "rounds_us": [round(x, 1) for x in per_round],
                 }
                 log(f"fleet {name}, {size} workers: {out[name][str(size)]['publish_us']} us")
-        admin.execute("DELETE FROM pgskip.consumers")
-        admin.execute("DELETE FROM pgskip.jobs")
+        empty(admin)
     return out
 
 
@@ -639,8 +643,8 @@ def main(argv: list[str] | None = None) -> int:
         "--e2e-cooldowns",
         type=_cooldowns,
         default=E2E_COOLDOWNS,
-        help="fetch_cooldown[:fetch_cooldown_max][/off],... for --e2e-cpu (/off: with"
-        " busy_polling off; default 0,0.002,0.005,0.002:0.02)",
+        help="fetch_cooldown[:fetch_cooldown_max],... for --e2e-cpu and --blocking"
+        " (default 0,0.002,0.005,0.002:0.02)",
     )
     parser.add_argument(
         "--blocking", action="store_true", help="only blocking kombu consumers (part 6)"
@@ -655,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         "--blocking-rate", type=float, default=500.0, help="messages/s for --blocking"
     )
     parser.add_argument(
-        "--fleet", action="store_true", help="only a publish beside a large fleet (part 7)"
+        "--fleet", action="store_true", help="only a routed publish beside a large fleet (part 7)"
     )
     parser.add_argument(
         "--fleet-sizes",

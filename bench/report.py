@@ -11,8 +11,6 @@ NAMES = {
     "pgskip": "pgskip",
     "pgskip-async": "pgskip (async-commit publisher)",
     "pgskip-apply_async_in": "pgskip apply_async_in",
-    "pgskip-nobusy": "pgskip, busy_polling=False",
-    "pgskip-noroute": "pgskip, route cache off",
     "rabbitmq": "RabbitMQ",
     "redis": "Redis",
     "sqlalchemy": "SQLAlchemy",
@@ -21,8 +19,6 @@ COLORS = {
     "pgskip": "#336791",
     "pgskip-async": "#6a9bc3",
     "pgskip-apply_async_in": "#6a9bc3",
-    "pgskip-nobusy": "#8fb3d3",
-    "pgskip-noroute": "#2a4d6e",
     "rabbitmq": "#ff6600",
     "redis": "#d82c20",
     "sqlalchemy": "#777777",
@@ -116,6 +112,13 @@ def rows(data: dict[str, Any]) -> list[list[str]]:
     )
     pub = {b: _get(r, "end_to_end", b, "median", "publish_rate") for b in BROKERS}
     row("1. apply_async calls/s during end to end", "calls/s", pub)
+    routed = _get(r, "end_to_end_exchange", "pgskip", "median", "rate")
+    if routed is not None:
+        row(
+            "1. Celery end to end, durable publish through the queue's exchange (publish_routed)",
+            "tasks/s",
+            {"pgskip": routed, "rabbitmq": vals.get("rabbitmq"), "redis": vals.get("redis")},
+        )
     vals = {b: _get(r, "end_to_end_defaults", b, "median", "rate") for b in BROKERS}
     if any(v is not None for v in vals.values()):
         row(
@@ -307,65 +310,6 @@ def ceilings_rows(data: dict[str, Any]) -> list[list[str]]:
     ]
 
 
-VARIANTS = ("pgskip-nobusy", "pgskip-noroute")
-VARIANT_HEADER = [
-    "measure",
-    "unit",
-    "pgskip",
-    "busy_polling=False",
-    "pgskip / it",
-    "route cache off",
-    "pgskip / it",
-]
-
-
-def variant_rows(data: dict[str, Any]) -> list[list[str]]:
-    """pgskip against its variants (``pgskip-nobusy``, ``pgskip-noroute``): medians, and
-    pgskip's figure divided by the variant's (for latencies, above 1 means pgskip is slower)."""
-    r = data.get("results", {})
-    out: list[list[str]] = []
-
-    def row(label: str, unit: str, path: tuple[Any, ...], keys: tuple[str, ...] = ()) -> None:
-        def at(name: str) -> Any:
-            return _get(r, *path[:1], *(keys or ()), name, *path[1:])
-
-        p = at("pgskip")
-        vals = [at(v) for v in VARIANTS]
-        if all(v is None for v in vals):
-            return
-        cells = [label, unit, _fmt(p, unit)]
-        for v in vals:
-            cells += [_fmt(v, unit), _ratio(p, v)]
-        out.append(cells)
-
-    for key, label in (
-        ("threads4", "-P threads -c 4"),
-        ("prefork2", "-P prefork -c 2"),
-        ("threads4_acks_late", "-P threads -c 4, acks_late, prefetch multiplier 1"),
-        ("threads4_defaults", "-P threads -c 4, Celery's defaults"),
-    ):
-        row(f"Celery worker side, {label}", "tasks/s", ("worker_side", "median", "rate"), (key,))
-    row("Celery end to end, durable publish", "tasks/s", ("end_to_end", "median", "rate"))
-    row(
-        "Celery end to end, through the queue's exchange",
-        "tasks/s",
-        ("end_to_end_exchange", "median", "rate"),
-    )
-    row("apply_async calls/s, end to end", "calls/s", ("end_to_end", "median", "publish_rate"))
-    row("apply_async during end to end, p50", "us", ("end_to_end", "median", "publish_us_p50"))
-    for q in ("p50_ms", "p99_ms"):
-        row(f"latency apply_async -> start, {q[:3]}", "ms", ("latency", "median", q))
-    row("raw kombu publish, durable", "msg/s", ("raw_kombu", "median", "publish_rate"))
-    row("raw kombu consume + ack, prefetch 100", "msg/s", ("raw_kombu", "median", "consume_rate"))
-    for k in _get(r, "scaling", "procs") or []:
-        row(
-            f"scaling: {k} worker process(es), threads -c 4",
-            "tasks/s",
-            ("scaling", str(k), "median", "rate"),
-        )
-    return out
-
-
 def _md(header: list[str], body: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in body]
@@ -382,9 +326,6 @@ def table(data: dict[str, Any]) -> str:
         "\nPostgreSQL ceilings (rows/s, same cluster, fsync on):\n",
         _md(["SQL", "rows/s"], ceilings_rows(data)),
     ]
-    variants = variant_rows(data)
-    if variants:
-        parts += ["\npgskip against its variants (medians):\n", _md(VARIANT_HEADER, variants)]
     pb = _get(data, "results", "publish_breakdown", "median")
     if pb:
         parts.append(

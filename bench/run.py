@@ -13,35 +13,24 @@ Measurements (``--only`` takes these names, comma-separated):
   end_to_end         Celery: one publisher, idle worker, publish to task start
   end_to_end_defaults  the same with the worker as it runs out of the box (remote control,
                      gossip, mingle and heartbeats on; the other measurements turn them off)
-  end_to_end_exchange  end to end for pgskip (and its variants) with each apply_async naming
-                     the queue's exchange and routing key (routed through the bindings; the
-                     others publish to the default exchange, which pgskip does not route)
+  end_to_end_exchange  end to end for pgskip with each apply_async naming the queue's
+                     exchange and routing key (routed through the bindings by
+                     publish_routed; the others publish to the default exchange, which
+                     pgskip does not route)
   latency            Celery: apply_async (and apply_async_in) to task start, idle worker
   scaling            Celery worker side with 1, 2, 4, 8 worker processes
   memory             worker RSS while tasks with a one-hour countdown arrive
   steady_state       messages through pgskip with pruning: table size and fetch latency
 
 Brokers: pgskip, pgskip-async (publisher with synchronous_commit=off), rabbitmq, redis,
-sqlalchemy. ``--brokers`` restricts them. Two variants of pgskip on its database run only when
-``--brokers`` names them, in raw_kombu, worker_side, end_to_end, end_to_end_exchange, latency,
-scaling and memory (each right after pgskip):
-
-  pgskip-nobusy      transport option busy_polling=False: workers never poll, every publish
-                     sends its NOTIFY (no quiet publish)
-  pgskip-noroute     the route cache off in publishers and workers (BENCH_NO_ROUTE_CACHE=1,
-                     bench/route_cache.py): every publish to a named exchange runs
-                     publish_routed. Only raw_kombu and end_to_end_exchange publish to one:
-                     Celery sends default-routed tasks to the default exchange, never routed
-
-Figures are printed as a table (with a section of the variants' figures against pgskip's
-when they ran) and written to ``DIR/results-<mode>-<time>.json`` (and
-``DIR/latest-<mode>.json``) with PNG charts beside. Nothing is asserted.
+sqlalchemy. ``--brokers`` restricts them. Figures are printed as a table and written to
+``DIR/results-<mode>-<time>.json`` (and ``DIR/latest-<mode>.json``) with PNG charts beside.
+Nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import sys
@@ -52,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from . import report
-from .brokers import OPT_IN, BenchEnv, Broker
+from .brokers import BenchEnv, Broker
 from .common import REPO, Mode, code_state, log, machine_info, median, wait_quiet
 
 ALL = (
@@ -68,7 +57,7 @@ ALL = (
     "memory",
     "steady_state",
 )
-CELERY_BROKERS = ("pgskip", "pgskip-nobusy", "pgskip-noroute", "rabbitmq", "redis", "sqlalchemy")
+CELERY_BROKERS = ("pgskip", "rabbitmq", "redis", "sqlalchemy")
 # Staying small: (result key, autovacuum_naptime, keep_completed).
 STEADY_STATES = (
     ("steady_state", None, True),
@@ -100,8 +89,6 @@ class Runner:
     def broker(self, name: str) -> Broker | None:
         if self.want_brokers is not None and name not in self.want_brokers:
             return None
-        if self.want_brokers is None and name in OPT_IN:
-            return None
         b = self.env.brokers.get(name)
         return b if b is not None and b.available else None
 
@@ -116,21 +103,15 @@ class Runner:
         return seen
 
     def repeat(
-        self,
-        what: str,
-        fn: Callable[[], dict[str, Any]],
-        runs: int | None = None,
-        broker: Broker | None = None,
+        self, what: str, fn: Callable[[], dict[str, Any]], runs: int | None = None
     ) -> dict[str, Any]:
-        """Run ``fn`` ``runs`` times (after waiting for a quiet machine); keep runs and medians.
-        ``broker``: its ``env`` is set in this process while ``fn`` runs."""
+        """Run ``fn`` ``runs`` times (after waiting for a quiet machine); keep runs and medians."""
         out: dict[str, Any] = {"runs": []}
         for _ in range(runs or self.mode.runs):
             load = self.quiet()
             t0 = time.monotonic()
             try:
-                with broker.environment() if broker is not None else contextlib.nullcontext():
-                    res = fn()
+                res = fn()
             except Exception as exc:
                 log(f"{what}: ERROR {exc!r}")
                 self.errors.append(
@@ -183,7 +164,7 @@ class Runner:
         from .raw import kombu_publish_consume
 
         out: dict[str, Any] = {}
-        for name in ("pgskip", *OPT_IN, "pgskip-async", "rabbitmq", "redis", "sqlalchemy"):
+        for name in ("pgskip", "pgskip-async", "rabbitmq", "redis", "sqlalchemy"):
             b = self.broker(name)
             if b is None:
                 continue
@@ -197,7 +178,6 @@ class Runner:
                     consume_cap=cap,
                     consume=b.name != "pgskip-async",
                 ),
-                broker=b,
             )
         pg = self.broker("pgskip")
         if pg is not None:
@@ -255,14 +235,14 @@ class Runner:
                     acks_late=acks_late,
                     celery_defaults=defaults,
                 )
-                out[key][name] = self.repeat(f"worker_side {key} {name}", run, broker=b)
+                out[key][name] = self.repeat(f"worker_side {key} {name}", run)
         self.results["worker_side"] = out
 
     def end_to_end(self) -> None:
         from .celery_bench import end_to_end
 
         out: dict[str, Any] = {}
-        for name in ("pgskip", *OPT_IN, "pgskip-async", "rabbitmq", "redis", "sqlalchemy"):
+        for name in ("pgskip", "pgskip-async", "rabbitmq", "redis", "sqlalchemy"):
             b = self.broker(name)
             if b is None:
                 continue
@@ -271,7 +251,6 @@ class Runner:
             out[name] = self.repeat(
                 f"end_to_end {name}",
                 lambda b=b, n=n: end_to_end(b, n=n, timeout=self.mode.worker_timeout),
-                broker=b,
             )
         self.results["end_to_end"] = out
 
@@ -296,21 +275,17 @@ class Runner:
     def end_to_end_exchange(self) -> None:
         from .celery_bench import end_to_end
 
-        out: dict[str, Any] = {}
-        for name in ("pgskip", *OPT_IN):
-            b = self.broker(name)
-            if b is None:
-                continue
-            n = self.mode.e2e_tasks
-            log(f"end to end through the queue's exchange: {name} ({n} tasks)")
-            out[name] = self.repeat(
-                f"end_to_end_exchange {name}",
-                lambda b=b, n=n: end_to_end(
-                    b, n=n, timeout=self.mode.worker_timeout, via_exchange=True
-                ),
-                broker=b,
+        b = self.broker("pgskip")
+        if b is None:
+            return
+        n = self.mode.e2e_tasks
+        log(f"end to end through the queue's exchange: pgskip ({n} tasks)")
+        self.results["end_to_end_exchange"] = {
+            "pgskip": self.repeat(
+                "end_to_end_exchange pgskip",
+                lambda: end_to_end(b, n=n, timeout=self.mode.worker_timeout, via_exchange=True),
             )
-        self.results["end_to_end_exchange"] = out
+        }
 
     def latency(self) -> None:
         from .latency import latency
@@ -318,8 +293,6 @@ class Runner:
         out: dict[str, Any] = {}
         configs = [
             ("pgskip", "pgskip", False, False),
-            ("pgskip-nobusy", "pgskip-nobusy", False, False),
-            ("pgskip-noroute", "pgskip-noroute", False, False),
             ("pgskip-apply_async_in", "pgskip", True, False),
             ("pgskip-async", "pgskip-async", False, False),
             ("rabbitmq", "rabbitmq", False, False),
@@ -341,7 +314,6 @@ class Runner:
                 lambda b=b, s=samples, t=in_txn, sp=spin: latency(
                     b, samples=s, gap=self.mode.latency_gap, in_transaction=t, spin=sp
                 ),
-                broker=b,
             )
             out[key] = res
         self.results["latency"] = out
@@ -374,7 +346,6 @@ class Runner:
                         processes=k,
                     ),
                     runs=1 if self.mode.name == "short" else None,
-                    broker=b,
                 )
         self.results["scaling"] = out
 
@@ -392,7 +363,6 @@ class Runner:
                 f"memory {name}",
                 lambda b=b, n=n: memory(b, n=n, settle=self.mode.memory_settle),
                 runs=1,
-                broker=b,
             )
         self.results["memory"] = out
 

@@ -148,7 +148,6 @@ class Worker:
             BENCH_CELERY_DEFAULTS="1" if self.celery_defaults else "0",
             PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
         )
-        env.update(self.broker.env)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv(),

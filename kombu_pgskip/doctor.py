@@ -8,7 +8,7 @@ owner destroy messages or run code as the owner (docs/security.md):
   a table of the caller's own runs as its owner);
 * a function without the search path ``<schema>, pg_catalog, pg_temp`` (a closer match for a
   built-in, created by another role in a schema on the path, would run in its place);
-* ``SECURITY DEFINER`` anywhere but where a grant cannot do the job;
+* a ``SECURITY DEFINER`` function (none of ours runs as its owner: grants do the job);
 * a type of the schema usable by PUBLIC (an operator over it could be defined elsewhere);
 * a role other than the owner that may create objects in the schema, or in a schema on a
   function's path, or in a schema on a broker role's own default search path;
@@ -30,9 +30,6 @@ from .grants import PUBLISHER_PRIVILEGES, WORKER_FUNCTIONS, WORKER_PRIVILEGES, P
 from .sql import queries_in, quote_ident
 from .urls import Connection, connect, mask_url
 
-#: The one function that runs as its owner, and why: publishers bump the routing epoch when
-#: they declare, and UPDATE on routing_epoch would let one set it back (migration 0012).
-SECURITY_DEFINER = frozenset({"bump_routing_epoch()"})
 #: Procedures commit between batches, which a SET clause forbids: their bodies qualify every
 #: name and operator instead.
 QUALIFIED_PROCEDURES = frozenset({"prune_in_batches"})
@@ -160,15 +157,15 @@ class Doctor:
         )
 
     def security_definer(self, routines: list[tuple[Any, ...]]) -> Check:
-        name = "SECURITY DEFINER only where a grant cannot do"
-        bad = [str(r[0]) for r in routines if r[2] and str(r[0]) not in SECURITY_DEFINER]
+        name = "no SECURITY DEFINER function"
+        bad = [str(r[0]) for r in routines if r[2]]
         if not bad:
-            return Check(name, True, ", ".join(sorted(SECURITY_DEFINER)))
+            return Check(name, True, "none runs as its owner")
         return Check(
             name,
             False,
-            f"{self._names(bad)} run as their owner: run `celery -A proj pgskip migrate`, "
-            "or ALTER FUNCTION ... SECURITY INVOKER if you created them",
+            f"{self._names(bad)} run as their owner: ALTER FUNCTION ... SECURITY INVOKER, "
+            "and grant the roles that call them what they need",
         )
 
     def public_types(self) -> Check:

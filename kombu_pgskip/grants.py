@@ -46,11 +46,7 @@ WORKER_PRIVILEGES: tuple[Privilege, ...] = (
     ("exchanges", "SELECT, INSERT, DELETE", ()),
     ("bindings", "SELECT, INSERT, DELETE", ()),
     ("consumers", ALL_ROWS, ()),
-    # Kept in step with consumers by a trigger that runs as the role changing consumers.
-    ("consumer_queues", ALL_ROWS, ()),
     ("migrations", "SELECT", ()),
-    # The guard of a remembered route (migration 0005); triggers bump it as its owner.
-    ("routing_epoch", "SELECT", ()),
 )
 #: The columns a publish writes: a publisher cannot insert a message already running under a
 #: consumer, already attempted, or with an id of its choosing.
@@ -79,10 +75,9 @@ PUBLISHER_PRIVILEGES: tuple[Privilege, ...] = (
     ("exchanges", "INSERT", ("name", "type", "durable", "auto_delete", "arguments")),
     ("bindings", "SELECT", ()),
     ("bindings", "INSERT", ("exchange", "queue", "routing_key", "arguments", "pattern")),
+    # Routing skips queues past their x-expires that no live consumer consumes.
     ("consumers", "SELECT", ()),
-    ("consumer_queues", "SELECT", ()),
     ("migrations", "SELECT", ()),
-    ("routing_epoch", "SELECT", ()),
 )
 WORKER_FUNCTIONS = ("expire_queues()",)
 

@@ -162,56 +162,22 @@ def run_then(
     return results[0], results[1]
 
 
-def run_together(
+def _run_pipeline(
     conn: psycopg.Connection[Any], steps: Sequence[tuple[Statement, Mapping[str, Any]]]
 ) -> list[pq.abc.PGresult]:
-    """Run ``steps`` in one transaction of their own, in one round trip; their results.
-
-    One libpq pipeline with a single Sync after the last statement: the server runs them as
-    one implicit transaction and sends every reply at once. Each statement still takes its own
-    snapshot (READ COMMITTED), after the ones before it have run. The first failed statement
-    raises (nothing was committed; those after it did not run). ``conn`` must be in autocommit
-    mode and outside a transaction; needs libpq >= 14.
-    """
-    with conn.lock:
-        results = _run_pipeline(conn, steps, one_transaction=True)
-        if any(r.status not in _OK and _sqlstate(r) == b"26000" for r in results):
-            # Deallocated behind our back (DISCARD ALL): the transaction failed, nothing was
-            # written, so running it again cannot write twice.
-            for statement, _ in steps:
-                statement._prepared_on = None
-            results = _run_pipeline(conn, steps, one_transaction=True)
-    for res in results:
-        if res.status not in _OK:
-            raise _error(conn, res)
-    return results
-
-
-def _run_pipeline(
-    conn: psycopg.Connection[Any],
-    steps: Sequence[tuple[Statement, Mapping[str, Any]]],
-    *,
-    one_transaction: bool = False,
-) -> list[pq.abc.PGresult]:
-    """``steps`` down one pipeline: a Sync after each (a transaction each), or only after the
-    last (``one_transaction``)."""
+    """``steps`` down one pipeline, a Sync after each: a transaction each."""
     pgconn = conn.pgconn
     for statement, _ in steps:
         statement._prepare(conn)
     values = [statement.values(params) for statement, params in steps]
-    last = len(steps) - 1
     try:
         pgconn.enter_pipeline_mode()
-        for k, ((statement, _), vals) in enumerate(zip(steps, values, strict=True)):
+        for (statement, _), vals in zip(steps, values, strict=True):
             statement._send(pgconn, vals)
-            if k == last or not one_transaction:
-                pgconn.pipeline_sync()
+            pgconn.pipeline_sync()
         while pgconn.flush():  # 1 while data remains to be sent: rare for small statements
             select.select([], [pgconn.socket], [], 1.0)
-        if one_transaction:
-            results = _pipeline_results(pgconn, len(steps))
-        else:
-            results = [_pipeline_results(pgconn, 1)[0] for _ in steps]
+        results = [_pipeline_results(pgconn, 1)[0] for _ in steps]
         pgconn.exit_pipeline_mode()
     except BaseException:
         # Lost, or interrupted with results unread: the connection's state is unknown, so it

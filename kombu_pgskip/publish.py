@@ -182,17 +182,14 @@ class _CallerStore(Store):
             return None
         return self.adapter.after_commit(("pgskip-wakes", self.schema), lambda: _Wakes(self))
 
-    def _insert_announced(
-        self, insert: str, with_notify: str, params: dict[str, Any]
-    ) -> list[tuple[Any, ...]]:
+    def _insert_announced(self, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """The insert without its NOTIFY, which :meth:`_wakes` sends after the commit; else
-        (no after-commit hook) ``with_notify`` in the caller's transaction."""
+        (no after-commit hook) the insert with its NOTIFY, in the caller's transaction."""
         wakes = self._wakes()
         if wakes is None:
-            return self.execute_direct(with_notify, params)
-        rows = self.execute(insert, params)
-        if rows:  # nothing inserted (a remembered route gone stale): nothing to announce
-            wakes.add(params["queue"], params["status"], params["run_at"])
+            return self.execute_direct("publish", params)
+        rows = self.execute("insert_message", params)
+        wakes.add(params["queue"], params["status"], params["run_at"])
         return rows
 
     def announce(self, queues: list[str], run_at: datetime | None) -> None:

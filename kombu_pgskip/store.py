@@ -25,10 +25,10 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg import errors, pq, sql
+from psycopg import pq
 
 from . import exceptions
-from .libpq import Statement, run_then, run_together
+from .libpq import Statement, run_then
 from .migrate import check_schema
 from .sql import queries_for, queries_in
 from .urls import Connection, connect, mask_url
@@ -193,14 +193,6 @@ class Store:
         # prepare either (PgBouncer in transaction pooling mode).
         self._direct: dict[str, Statement] = {}
         self._prepared = connect_kwargs.get("prepare_threshold", 5) is not None
-        # (exchange, routing key, queues bound in this process) -> (queue, routing epoch): where
-        # publish_routed last sent a message that had one target (see publish_routed).
-        self._routes: dict[tuple[str, str, tuple[str, ...]], tuple[str, int]] = {}
-        # Queues whose consumers all polled at this Store's last durable publish to them: the
-        # next one is quiet (see _insert_announced); and durable publishes per queue, whose
-        # announcement reads the flags once every QUIET_CHECK_EVERY.
-        self._quiet: set[str] = set()
-        self._announced: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"<Store {self._masked_url} schema={self.schema}>"
@@ -336,78 +328,33 @@ class Store:
         transaction that only notifies writes no WAL and holds that lock briefly. Nothing is
         lost if the announcement never comes (its connection dies in between): consumers find
         the row at their next poll. Each publish then takes two transaction ids.
-
-        While every consumer of the queue polls it (busy workers: ``busy_polling``), the
-        announcement sends nothing, and the next publish to the queue is quiet: one
-        transaction that notifies only if some consumer has stopped polling meanwhile.
         """
         params = message.params()
         params.update(self._channels)
-        rows = self._insert_announced("insert_message", "publish", params)
-        return int(rows[0][0] or 0)
+        return int(self._insert_announced(params)[0][0] or 0)
 
-    def _insert_announced(
-        self, insert: str, with_notify: str, params: dict[str, Any]
-    ) -> list[tuple[str | None, ...]]:
-        """``insert`` then ``announce`` as :meth:`publish` describes; or the single statement
-        ``with_notify`` (the insert with its NOTIFY) where that split does not apply: with
-        asynchronous commits, or inside a transaction (:meth:`publish_many`'s).
-
-        The announcement reads the consumers' flags on the first publish to a queue and every
-        ``QUIET_CHECK_EVERY`` after (reading them costs the server about 10 us); the others
-        notify whatever the flags say, which is always safe.
-
-        A pending message to a queue whose consumers all polled at the last check is quiet:
-        ``quiet_lock`` and ``<insert>_quiet`` in one transaction, whose NOTIFY is sent only if
-        a consumer of the queue no longer polls. The flag is read before the commit there, so
-        the shared lock makes a consumer that stops polling wait for this commit
-        (``stop_polling``). A publish that notified goes back to the two transactions.
-        """
+    def _insert_announced(self, params: dict[str, Any]) -> list[tuple[str | None, ...]]:
+        """``insert_message`` then ``announce`` as :meth:`publish` describes; or ``publish``
+        (the insert with its NOTIFY) where that split does not apply: with asynchronous
+        commits, or inside a transaction (:meth:`publish_many`'s)."""
         if not self._notify_after_commit:
-            return self.execute_direct(with_notify, params)
-        queue = params["queue"]
-        quiet = params["status"] == "pending" and queue in self._quiet
-        checked = False
+            return self.execute_direct("publish", params)
         with self._busy_lock:
             conn = self.conn
             if conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
-                return self.execute_direct(with_notify, params)
+                return self.execute_direct("publish", params)
             with exceptions.translating(url_for_messages=self._masked_url):
-                if quiet:
-                    steps = (
-                        (self._statement("quiet_lock"), params),
-                        (self._statement(f"{insert}_quiet"), params),
-                    )
-                    inserted = run_together(conn, steps)[1]
-                else:
-                    count = self._announced.get(queue, 0)
-                    if len(self._announced) >= ROUTE_CACHE_SIZE:
-                        self._announced.clear()
-                    self._announced[queue] = count + 1
-                    checked = count % QUIET_CHECK_EVERY == 0
-                    first = (self._statement(insert), params)
-                    then = (
-                        self._statement("announce" if checked else "announce_unchecked"),
-                        params,
-                    )
-                    inserted, announced = run_then(conn, first, then)
-        rows = _text_rows(inserted)
-        if quiet:
-            if rows and rows[0][1] == "t":
-                self._quiet.discard(queue)  # it notified: some consumer waits for notifications
-        elif announced.status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
+                first = (self._statement("insert_message"), params)
+                then = (self._statement("announce"), params)
+                inserted, announced = run_then(conn, first, then)
+        if announced.status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
             # The message is committed: raising would make the caller publish it again.
             logger.warning(
                 "a publish's NOTIFY failed (consumers find the message at their next poll): %s",
                 (announced.get_error_message() or "").strip(),
                 extra={"action": "announce_failed"},
             )
-        elif checked and announced.ntuples == 0 and params["status"] == "pending":
-            # Nothing sent: every consumer of the queue polls it.
-            if len(self._quiet) >= ROUTE_CACHE_SIZE:
-                self._quiet.clear()
-            self._quiet.add(queue)
-        return rows
+        return _text_rows(inserted)
 
     def publish_many(self, messages: Sequence[NewMessage]) -> list[int]:
         """Insert ``messages`` with as few statements as their size allows, all or none.
@@ -458,31 +405,11 @@ class Store:
         ones whose pattern matches; direct: equal routing key) plus ``queues`` (the ones this
         process bound in memory), minus queues whose ``x-expires`` ran out. One statement, so
         one round trip whatever the number of targets. Returns the queues written to.
-
-        A route to a single queue without ``x-expires`` is remembered with the routing epoch
-        (migration 0005) read in the same snapshot; the next message to the same exchange and
-        routing key is inserted into that queue directly (``publish_remembered``: ``publish``
-        guarded by that epoch), which skips the routing joins. When anything changed routing
-        since (the epoch moved), the guarded insert writes nothing and the message is routed
-        afresh, in the same call.
         """
-        key = (exchange, routing_key, tuple(queues))
         params = message.params()
         params.update(self._channels)
-        remembered = self._routes.get(key)
-        if remembered is not None:
-            queue, epoch = remembered
-            params.update(queue=queue, epoch=epoch)
-            if self._insert_announced("insert_remembered", "publish_remembered", params):
-                return [queue]
-            self._routes.pop(key, None)  # routing changed since: route afresh below
         params.update(exchange=exchange, routing_key=routing_key, queues=list(queues))
-        rows = self.execute_direct("publish_routed", params)
-        if len(rows) == 1 and rows[0][2] is not None:
-            if len(self._routes) >= ROUTE_CACHE_SIZE:
-                self._routes.clear()
-            self._routes[key] = (str(rows[0][0]), int(rows[0][2]))
-        return [str(r[0]) for r in rows]
+        return [str(r[0]) for r in self.execute_direct("publish_routed", params)]
 
     def route(self, exchange: str, routing_key: str) -> list[str]:
         """The live queues bound in the database that ``exchange`` routes ``routing_key`` to."""
@@ -665,54 +592,12 @@ class Store:
             },
         )
 
-    def renew_consumers(
-        self, consumers: Sequence[uuid.UUID], lease: float, *, polling: bool = False
-    ) -> set[uuid.UUID]:
-        """Extend leases; returns the consumers that still exist (the others were swept).
-
-        Unless ``polling`` (the consumers' transport polls their queues), their polling flags
-        are cleared too: never set, which could undo a :meth:`stop_polling` that committed
-        meanwhile."""
+    def renew_consumers(self, consumers: Sequence[uuid.UUID], lease: float) -> set[uuid.UUID]:
+        """Extend leases; returns the consumers that still exist (the others were swept)."""
         if not consumers:
             return set()
-        rows = self.execute(
-            "renew_consumers", {"ids": list(consumers), "lease": lease, "polling": polling}
-        )
+        rows = self.execute("renew_consumers", {"ids": list(consumers), "lease": lease})
         return {r[0] for r in rows}
-
-    def start_polling(self, consumers: Sequence[uuid.UUID]) -> None:
-        """These consumers poll their queues every ``fetch_cooldown`` from now on: while every
-        consumer of a queue does, publishes to it skip their NOTIFY."""
-        if consumers:
-            self.execute("start_polling", {"ids": list(consumers)})
-
-    def stop_polling(self, consumers: Sequence[uuid.UUID], *, lock_timeout: float = 1.0) -> bool:
-        """These consumers stop polling. When this returns True, every publish that skipped
-        its NOTIFY because of them has committed, and every later one notifies: their next
-        fetch (which must follow) finds whatever was not announced.
-
-        A publish that holds a queue's lock longer than ``lock_timeout`` seconds (its client
-        lost halfway through sending it, say) would stall the caller, a worker's event loop:
-        the flags are then cleared without waiting and this returns False. That publish's
-        message, if it ever commits, waits for the consumers' next poll."""
-        if not consumers:
-            return True
-        params = {"ids": list(consumers), "channel": self.channel}
-        timeout = sql.SQL("SET LOCAL lock_timeout = {}").format(
-            sql.Literal(f"{max(1, round(lock_timeout * 1000))}ms")
-        )
-        try:
-            with (
-                exceptions.translating(url_for_messages=self._masked_url),
-                self._busy_lock,
-                self.conn.transaction(),
-            ):
-                self.conn.execute(timeout)
-                self.conn.execute(self.q["stop_polling"], params)
-        except errors.LockNotAvailable:
-            self.execute("clear_polling", params)
-            return False
-        return True
 
     def unregister_consumer(self, consumer: uuid.UUID) -> int:
         """Forget a consumer; what it still held goes back to pending. Returns rows requeued."""
@@ -846,12 +731,6 @@ def fetch_filled(rows: Sequence[FetchedRow], limit: int) -> bool:
     return len(rows) >= limit or any(row.budget_full for row in rows)
 
 
-#: A durable publish's announcement reads the consumers' polling flags of its queue on the
-#: first publish to it and on every this-many-th after (``Store._insert_announced``).
-QUIET_CHECK_EVERY = 8
-#: Routes remembered per Store (publish_routed); past this many (a topic exchange published to
-#: with ever new routing keys), they are forgotten and learnt again.
-ROUTE_CACHE_SIZE = 1024
 #: Most messages (and payload bytes) ``publish_many`` writes with one statement.
 PUBLISH_MANY_CHUNK = 5_000
 PUBLISH_MANY_BYTES = 16 * 1024 * 1024

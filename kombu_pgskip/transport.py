@@ -119,14 +119,6 @@ option                        default    meaning
                                          took the message) and shrinks back to
                                          ``fetch_cooldown`` while they take rows; at or below
                                          ``fetch_cooldown``: a fixed cooldown
-``busy_polling``              True       in Celery's event loop, while fetches keep taking
-                                         messages at the pace of the cooldown (or fill their
-                                         limit), fetch every cooldown without waiting for
-                                         notifications and mark this worker's consumers
-                                         polling: publishes to a queue whose consumers all
-                                         poll send no NOTIFY, in one transaction instead of
-                                         two. Stops at the second poll in a row that finds
-                                         nothing. Needs ``fetch_cooldown`` > 0 and ``listen``
 ``keep_completed``            True       an ack marks its message ``completed`` (kept until the
                                          prune job's ``completed_retention``). False: an ack
                                          deletes it; failed messages are kept either way
@@ -193,14 +185,6 @@ REFILL_DELAY = 0.001
 #: meanwhile redelivers, never loses.
 ACK_FLUSH_DELAY = 0.005
 
-#: Busy polling (``busy_polling``): the event loop starts polling once this many notified
-#: fetches in a row took messages at the pace of the cooldown (each sent within
-#: ``BUSY_PACE`` cooldowns of the previous fetch), and stops after this many polls in a row
-#: found nothing.
-BUSY_POLL_START = 4
-BUSY_POLL_STOP = 2
-BUSY_PACE = 2.0
-
 
 @dataclass
 class Options:
@@ -226,7 +210,6 @@ class Options:
     prepared_statements: bool = True
     fetch_cooldown: float = 0.002
     fetch_cooldown_max: float = 0.02
-    busy_polling: bool = True
     keep_completed: bool = True
 
     @property
@@ -409,7 +392,6 @@ class Channel(virtual.Channel):
         self._fetch_acks = 0  # acks sent with the fetch in flight
         self._sent_wake_seq = 0  # Transport._wake_seq when the fetch in flight was sent
         self._notified_fetch = False  # whether a notification came before it was sent
-        self._paced = False  # whether it was sent within BUSY_PACE cooldowns of the previous one
         self._collected: list[_Collected] | None = None
         self._registered = False
         self._no_ack_queues: set[str] = set()
@@ -927,13 +909,10 @@ class Channel(virtual.Channel):
                     )
                 self._fetch_acks = len(pairs)
                 # Sent for a notification (one arrived since the previous fetch was sent):
-                # what it finds adapts the cooldown. Paced: sent about one cooldown after the
-                # previous fetch (notifications come faster than that: busy polling).
+                # what it finds adapts the cooldown.
                 self._notified_fetch = self._sent_wake_seq != transport._wake_seq
                 self._sent_wake_seq = transport._wake_seq
-                now = time.monotonic()
-                self._paced = now - transport._last_fetch <= BUSY_PACE * transport._cooldown.value
-                transport._last_fetch = now
+                transport._last_fetch = time.monotonic()
                 if not looped:  # kombu's blocking drain_events
                     rows = self._wait_fetch(fetcher)
                     if self._notified_fetch:
@@ -1239,9 +1218,7 @@ class _Heartbeat(threading.Thread):
             # Acks of a consumer that has stopped calling drain_events would otherwise wait.
             channel.flush_acks(self.store)
         ids = [c.consumer_id for c in channels]
-        # Polling flags are cleared here unless the loop polls (set_polling failed, or the
-        # loop was left without clearing them); never set.
-        alive = self.store.renew_consumers(ids, opts.lease_seconds, polling=self.transport._polling)
+        alive = self.store.renew_consumers(ids, opts.lease_seconds)
         for channel in channels:
             if channel.consumer_id not in alive:
                 logger.warning(
@@ -1357,12 +1334,6 @@ class Transport(virtual.Transport):
         self._last_fetch = 0.0
         self._cooldown_queued = False
         self._cooldown = Cooldown(self.options.fetch_cooldown, self.options.fetch_cooldown_max)
-        # Busy polling: the loop fetches every cooldown, notified or not, and the consumers'
-        # rows say so (consumers.polling; publishers then skip their NOTIFYs). True also
-        # while it is unknown whether clearing the flags committed: polling is the safe side.
-        self._polling = False
-        self._paced_streak = 0  # notified fetches in a row that took rows at the cooldown's pace
-        self._empty_polls = 0  # polls in a row that found nothing
 
     def __repr__(self) -> str:
         return f"<pgskip Transport {mask_url(self.url)}>"
@@ -1751,8 +1722,6 @@ class Transport(virtual.Transport):
         self._queue_drain()
 
     def unregister_from_event_loop(self, connection: Any, loop: Any) -> None:
-        if self._polling and self._pid == os.getpid():
-            self._set_polling(False, fetch=False)  # its consumers may go on, notified
         self._leave_event_loop()
 
     def _leave_event_loop(self) -> None:
@@ -1770,9 +1739,6 @@ class Transport(virtual.Transport):
         self._refill_queued = False
         self._ack_flush_queued = False
         self._cooldown_queued = False
-        # Nobody polls from here on. Flags left set (the loop is left because the server
-        # went away) are cleared by the heartbeat's next renewal, or go with the consumers.
-        self._polling = False
         if loop is None or self._pid != os.getpid():
             return
         for fd in fds:
@@ -1892,88 +1858,16 @@ class Transport(virtual.Transport):
             self._deliver_urgent()
         for row in rows:
             self._deliver_row(channel, row)
-        self._steer_polling(channel, len(rows))
         if channel._more_due:
             self._queue_drain()  # the fetch filled its limit: more may be due now
-        elif channel._sent_wake_seq != self._wake_seq or self._polling:
+        elif channel._sent_wake_seq != self._wake_seq:
             # A notification arrived after the statement was sent (its message may have
-            # committed after the fetch's snapshot), or the loop polls: fetch again once
-            # cooled down.
+            # committed after the fetch's snapshot): fetch again once cooled down.
             if self._cooldown_left() <= 0:
                 self._queue_drain()
         elif channel._pending_acks:
             # Acks that came in during the fetch (their flush may have fired while it ran).
             self._queue_ack_flush()
-
-    def _steer_polling(self, channel: PgChannel, took: int) -> None:
-        """Start or stop busy polling, given that a fetch of ``channel`` took ``took`` rows.
-
-        While tasks stream in faster than the cooldown, every notification is wasted work: the
-        loop fetches one cooldown after the previous fetch anyway; so is it while the worker
-        has more waiting than its prefetch window takes (it fetches as acks free credit). So
-        once ``BUSY_POLL_START`` fetches in a row took rows and were either notified and paced
-        by the cooldown or filled their limit, the loop polls every cooldown and marks its
-        consumers polling (publishers skip their NOTIFYs). After
-        ``BUSY_POLL_STOP`` polls in a row found nothing it clears the mark and, once that has
-        committed, fetches again: a publisher that skipped its NOTIFY read the mark after its
-        own commit, so that fetch sees its message.
-        """
-        opts = self.options
-        if not opts.busy_polling or opts.fetch_cooldown <= 0 or not opts.listen:
-            return
-        if self._polling:
-            if took:  # (a fetch that takes nothing never filled its limit: none has limit 0)
-                self._empty_polls = 0
-                return
-            self._empty_polls += 1
-            if self._empty_polls >= BUSY_POLL_STOP:
-                self._set_polling(False)
-            return
-        if took and ((channel._notified_fetch and channel._paced) or channel._more_due):
-            self._paced_streak += 1
-            if self._paced_streak >= BUSY_POLL_START:
-                self._set_polling(True)
-        else:
-            self._paced_streak = 0
-
-    def _set_polling(self, polling: bool, *, fetch: bool = True) -> None:
-        """Mark the consumers this loop fetches for without blocking (those with a fetcher of
-        their own; no-ack consumers go on being notified) polling or not. Stopping waits for
-        the publishes that skipped their NOTIFY for them, then fetches once more (unless
-        ``fetch`` is false). If the statement fails, the loop polls on: it cannot tell
-        whether the mark is set, and polling is always safe."""
-        ids = [
-            c.consumer_id
-            for c in self._consumer_channels()
-            if not polling or c._fetcher is not None  # clearing is always safe
-        ]
-        try:
-            if polling:
-                self.consumer_store.start_polling(ids)
-            elif not self.consumer_store.stop_polling(ids):
-                logger.warning(
-                    "stopped busy polling without waiting for a publish that has held its "
-                    "queue's lock for over a second; if it commits, its message waits for "
-                    "the next poll (polling_interval)",
-                    extra={"action": "busy_polling_stop_timeout"},
-                )
-        except Exception as exc:
-            logger.debug(
-                "could not mark consumers polling=%s: %s",
-                polling,
-                exc,
-                extra={"action": "set_polling_failed"},
-            )
-            self._polling = True
-            self._empty_polls = 0
-            return
-        logger.debug(
-            "busy polling %s", "on" if polling else "off", extra={"action": "busy_polling"}
-        )
-        self._polling = polling
-        self._paced_streak = self._empty_polls = 0
-        if not polling and fetch:
-            self._queue_drain()
 
     def _on_poll_tick(self) -> None:
         if self._loop is not None:

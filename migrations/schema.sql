@@ -281,23 +281,6 @@ END;
 $$;
 
 --
--- Name: bump_routing_epoch(); Type: FUNCTION; Schema: pgskip; Owner: -
---
-
-CREATE FUNCTION pgskip.bump_routing_epoch() RETURNS trigger
-    LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
-    AS $$
-BEGIN
-    IF TG_RELID NOT IN ('bindings'::regclass, 'exchanges'::regclass, 'queues'::regclass) THEN
-        RAISE EXCEPTION 'bump_routing_epoch() runs only as a trigger of bindings, exchanges and queues';
-    END IF;
-    UPDATE routing_epoch SET n = nextval('routing_epoch_seq'::regclass);
-    RETURN NULL;
-END
-$$;
-
---
 -- Name: expire_queues(); Type: FUNCTION; Schema: pgskip; Owner: -
 --
 
@@ -309,9 +292,8 @@ CREATE FUNCTION pgskip.expire_queues(OUT queues bigint, OUT messages bigint) RET
         DELETE FROM queues AS q
          WHERE q.expires IS NOT NULL
            AND q.last_used_at + q.expires * interval '1 millisecond' <= now()
-           AND NOT EXISTS (SELECT 1 FROM consumer_queues AS cq
-                             JOIN consumers AS c ON c.id = cq.consumer
-                            WHERE cq.queue = q.name AND c.lease_until > now())
+           AND NOT EXISTS (SELECT 1 FROM consumers AS c
+                            WHERE q.name = ANY (c.queues) AND c.lease_until > now())
         RETURNING q.name
     ), dropped AS (
         DELETE FROM jobs AS j
@@ -546,39 +528,6 @@ SELECT (SELECT count(*) FROM r WHERE status = 'pending'),
 $$;
 
 --
--- Name: sync_consumer_queues(); Type: FUNCTION; Schema: pgskip; Owner: -
---
-
-CREATE FUNCTION pgskip.sync_consumer_queues() RETURNS trigger
-    LANGUAGE plpgsql
-    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
-    AS $$
-BEGIN
-    IF TG_RELID <> 'consumers'::regclass THEN
-        RAISE EXCEPTION 'sync_consumer_queues() runs only as a trigger of consumers';
-    END IF;
-    IF TG_OP = 'TRUNCATE' THEN
-        DELETE FROM consumer_queues;
-        RETURN NULL;
-    END IF;
-    IF TG_OP = 'UPDATE' AND OLD.id = NEW.id AND OLD.queues IS NOT DISTINCT FROM NEW.queues THEN
-        UPDATE consumer_queues SET polling = NEW.polling WHERE consumer = NEW.id;
-        RETURN NULL;
-    END IF;
-    IF TG_OP IN ('UPDATE', 'DELETE') THEN
-        DELETE FROM consumer_queues WHERE consumer = OLD.id;
-    END IF;
-    IF TG_OP IN ('INSERT', 'UPDATE') THEN
-        INSERT INTO consumer_queues (consumer, queue, polling)
-        SELECT DISTINCT NEW.id, q.queue, NEW.polling
-          FROM unnest(NEW.queues) AS q(queue)
-         WHERE q.queue IS NOT NULL;
-    END IF;
-    RETURN NULL;
-END
-$$;
-
---
 -- Name: beat_slots; Type: TABLE; Schema: pgskip; Owner: -
 --
 
@@ -602,17 +551,6 @@ CREATE TABLE pgskip.bindings (
 );
 
 --
--- Name: consumer_queues; Type: TABLE; Schema: pgskip; Owner: -
---
-
-CREATE TABLE pgskip.consumer_queues (
-    consumer uuid NOT NULL,
-    queue text NOT NULL,
-    polling boolean NOT NULL
-)
-WITH (fillfactor='50');
-
---
 -- Name: consumers; Type: TABLE; Schema: pgskip; Owner: -
 --
 
@@ -623,8 +561,7 @@ CREATE TABLE pgskip.consumers (
     queues text[] DEFAULT '{}'::text[] NOT NULL,
     started_at timestamp with time zone DEFAULT now() NOT NULL,
     heartbeat_at timestamp with time zone DEFAULT now() NOT NULL,
-    lease_until timestamp with time zone NOT NULL,
-    polling boolean DEFAULT false NOT NULL
+    lease_until timestamp with time zone NOT NULL
 )
 WITH (fillfactor='50');
 
@@ -712,27 +649,6 @@ CREATE TABLE pgskip.queues (
 );
 
 --
--- Name: routing_epoch; Type: TABLE; Schema: pgskip; Owner: -
---
-
-CREATE TABLE pgskip.routing_epoch (
-    only_row boolean DEFAULT true NOT NULL,
-    n bigint NOT NULL,
-    CONSTRAINT routing_epoch_only_row_check CHECK (only_row)
-);
-
---
--- Name: routing_epoch_seq; Type: SEQUENCE; Schema: pgskip; Owner: -
---
-
-CREATE SEQUENCE pgskip.routing_epoch_seq
-    START WITH 1
-    INCREMENT BY 1
-    NO MINVALUE
-    NO MAXVALUE
-    CACHE 1;
-
---
 -- Name: beat_entries beat_entries_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
 --
 
@@ -752,13 +668,6 @@ ALTER TABLE ONLY pgskip.beat_slots
 
 ALTER TABLE ONLY pgskip.bindings
     ADD CONSTRAINT bindings_pkey PRIMARY KEY (exchange, queue, routing_key);
-
---
--- Name: consumer_queues consumer_queues_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
---
-
-ALTER TABLE ONLY pgskip.consumer_queues
-    ADD CONSTRAINT consumer_queues_pkey PRIMARY KEY (consumer, queue);
 
 --
 -- Name: consumers consumers_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
@@ -796,23 +705,10 @@ ALTER TABLE ONLY pgskip.queues
     ADD CONSTRAINT queues_pkey PRIMARY KEY (name);
 
 --
--- Name: routing_epoch routing_epoch_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
---
-
-ALTER TABLE ONLY pgskip.routing_epoch
-    ADD CONSTRAINT routing_epoch_pkey PRIMARY KEY (only_row);
-
---
 -- Name: bindings_queue; Type: INDEX; Schema: pgskip; Owner: -
 --
 
 CREATE INDEX bindings_queue ON pgskip.bindings USING btree (queue);
-
---
--- Name: consumer_queues_by_queue; Type: INDEX; Schema: pgskip; Owner: -
---
-
-CREATE INDEX consumer_queues_by_queue ON pgskip.consumer_queues USING btree (queue, polling);
 
 --
 -- Name: jobs_completed; Type: INDEX; Schema: pgskip; Owner: -
@@ -855,78 +751,6 @@ CREATE INDEX jobs_scheduled ON pgskip.jobs USING btree (run_at) WHERE (status = 
 --
 
 CREATE INDEX queues_expiring ON pgskip.queues USING btree (last_used_at) WHERE (expires IS NOT NULL);
-
---
--- Name: bindings bindings_routing_epoch; Type: TRIGGER; Schema: pgskip; Owner: -
---
-
-CREATE TRIGGER bindings_routing_epoch AFTER INSERT OR DELETE ON pgskip.bindings FOR EACH ROW EXECUTE FUNCTION pgskip.bump_routing_epoch();
-
---
--- Name: bindings bindings_routing_epoch_truncate; Type: TRIGGER; Schema: pgskip; Owner: -
---
-
-CREATE TRIGGER bindings_routing_epoch_truncate AFTER TRUNCATE ON pgskip.bindings FOR EACH STATEMENT EXECUTE FUNCTION pgskip.bump_routing_epoch();
-
---
--- Name: bindings bindings_routing_epoch_update; Type: TRIGGER; Schema: pgskip; Owner: -
---
-
-CREATE TRIGGER bindings_routing_epoch_update AFTER UPDATE ON pgskip.bindings FOR EACH ROW WHEN (((((old.exchange IS DISTINCT FROM new.exchange) OR (old.queue IS DISTINCT FROM new.queue)) OR (old.routing_key IS DISTINCT FROM new.routing_key)) OR (old.pattern IS DISTINCT FROM new.pattern))) EXECUTE FUNCTION pgskip.bump_routing_epoch();
-
---
--- Name: consumers consumers_queues_rows; Type: TRIGGER; Schema: pgskip; Owner: -
---
-
-CREATE TRIGGER consumers_queues_rows AFTER INSERT OR DELETE ON pgskip.consumers FOR EACH ROW EXECUTE FUNCTION pgskip.sync_consumer_queues();
-
---
--- Name: consumers consumers_queues_truncate; Type: TRIGGER; Schema: pgskip; Owner: -
---
-
-CREATE TRIGGER consumers_queues_truncate AFTER TRUNCATE ON pgskip.consumers FOR EACH STATEMENT EXECUTE FUNCTION pgskip.sync_consumer_queues();
-
---
--- Name: consumers consumers_queues_update; Type: TRIGGER; Schema: pgskip; Owner: -
---
-
-CREATE TRIGGER consumers_queues_update AFTER UPDATE OF id, queues, polling ON pgskip.consumers FOR EACH ROW WHEN ((((old.id IS DISTINCT FROM new.id) OR (old.queues IS DISTINCT FROM new.queues)) OR (old.polling IS DISTINCT FROM new.polling))) EXECUTE FUNCTION pgskip.sync_consumer_queues();
-
---
--- Name: exchanges exchanges_routing_epoch_delete; Type: TRIGGER; Schema: pgskip; Owner: -
---
-
-CREATE TRIGGER exchanges_routing_epoch_delete AFTER DELETE ON pgskip.exchanges FOR EACH ROW EXECUTE FUNCTION pgskip.bump_routing_epoch();
-
---
--- Name: exchanges exchanges_routing_epoch_truncate; Type: TRIGGER; Schema: pgskip; Owner: -
---
-
-CREATE TRIGGER exchanges_routing_epoch_truncate AFTER TRUNCATE ON pgskip.exchanges FOR EACH STATEMENT EXECUTE FUNCTION pgskip.bump_routing_epoch();
-
---
--- Name: exchanges exchanges_routing_epoch_type; Type: TRIGGER; Schema: pgskip; Owner: -
---
-
-CREATE TRIGGER exchanges_routing_epoch_type AFTER UPDATE OF type ON pgskip.exchanges FOR EACH ROW WHEN ((old.type IS DISTINCT FROM new.type)) EXECUTE FUNCTION pgskip.bump_routing_epoch();
-
---
--- Name: queues queues_routing_epoch; Type: TRIGGER; Schema: pgskip; Owner: -
---
-
-CREATE TRIGGER queues_routing_epoch AFTER INSERT OR DELETE ON pgskip.queues FOR EACH ROW EXECUTE FUNCTION pgskip.bump_routing_epoch();
-
---
--- Name: queues queues_routing_epoch_expires; Type: TRIGGER; Schema: pgskip; Owner: -
---
-
-CREATE TRIGGER queues_routing_epoch_expires AFTER UPDATE OF expires ON pgskip.queues FOR EACH ROW WHEN ((old.expires IS DISTINCT FROM new.expires)) EXECUTE FUNCTION pgskip.bump_routing_epoch();
-
---
--- Name: queues queues_routing_epoch_truncate; Type: TRIGGER; Schema: pgskip; Owner: -
---
-
-CREATE TRIGGER queues_routing_epoch_truncate AFTER TRUNCATE ON pgskip.queues FOR EACH STATEMENT EXECUTE FUNCTION pgskip.bump_routing_epoch();
 
 --
 -- Name: beat_slots beat_slots_entry_fkey; Type: FK CONSTRAINT; Schema: pgskip; Owner: -
@@ -992,12 +816,6 @@ REVOKE ALL ON FUNCTION pgskip.beat_next_slot(e pgskip.beat_entries, after timest
 REVOKE ALL ON FUNCTION pgskip.beat_payload(template jsonb, id_paths jsonb, task_id text, eta timestamp with time zone, expires timestamp with time zone) FROM PUBLIC;
 
 --
--- Name: FUNCTION bump_routing_epoch(); Type: ACL; Schema: pgskip; Owner: -
---
-
-REVOKE ALL ON FUNCTION pgskip.bump_routing_epoch() FROM PUBLIC;
-
---
 -- Name: FUNCTION expire_queues(OUT queues bigint, OUT messages bigint); Type: ACL; Schema: pgskip; Owner: -
 --
 
@@ -1032,9 +850,3 @@ REVOKE ALL ON PROCEDURE pgskip.prune_in_batches(IN completed_after interval, IN 
 --
 
 REVOKE ALL ON FUNCTION pgskip.sweep(max_attempts integer) FROM PUBLIC;
-
---
--- Name: FUNCTION sync_consumer_queues(); Type: ACL; Schema: pgskip; Owner: -
---
-
-REVOKE ALL ON FUNCTION pgskip.sync_consumer_queues() FROM PUBLIC;

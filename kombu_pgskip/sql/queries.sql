@@ -14,14 +14,6 @@ i AS ({@insert_one}
 SELECT i.id, {@wake}
   FROM i;
 
--- publish_remembered: as publish, into the queue a route remembered from publish_routed led to, only while routing_epoch still holds the epoch read with it; no row when routing changed since. (Not a parameter of publish: a NULL-able guard there makes PostgreSQL plan every execution afresh.)
-WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
-i AS ({@insert_one}
-     WHERE %(epoch)s::bigint = (SELECT n FROM {schema}.routing_epoch)
-    RETURNING id, queue, status)
-SELECT i.id, {@wake}
-  FROM i;
-
 -- insert_message: as publish without its NOTIFY, for a durable publish: Store.publish sends announce in a transaction of its own right after this one, in the same round trip, so that PostgreSQL's cluster-wide NOTIFY lock is not held while this commit waits for its WAL flush; returns the id
 WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
 i AS ({@insert_one}
@@ -29,54 +21,13 @@ i AS ({@insert_one}
 SELECT i.id
   FROM i;
 
--- insert_remembered: as publish_remembered without its NOTIFY, followed by announce (as insert_message)
-WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
-i AS ({@insert_one}
-     WHERE %(epoch)s::bigint = (SELECT n FROM {schema}.routing_epoch)
-    RETURNING id)
-SELECT i.id
-  FROM i;
-
--- wanted: (fragment, included as {@wanted} in a condition over a CTE i with the queue) whether a pending message of queue i.queue is to be notified: unless every consumer of the queue says it polls (migration 0008), that is when one of them does not poll or there is none. One probe of consumer_queues' index on (queue, polling) (migration 0010): the queue's first entry in that order is a consumer that does not poll if there is one, and there is none when nobody consumes the queue; however many consumers the schema has. Read after the message's commit (announce, announce_many: a consumer that stops polling clears its flag, then fetches), or under quiet_lock
-COALESCE((SELECT NOT cq.polling
-            FROM {schema}.consumer_queues AS cq
-           WHERE cq.queue = i.queue
-           ORDER BY cq.polling
-           LIMIT 1), true)
-
--- quiet_lock: the first statement of a quiet publish (insert_message_quiet, insert_remembered_quiet), in its transaction: the queue's advisory lock (this schema's channel, the queue) in shared mode, which stop_polling takes exclusively: a consumer that stops polling waits for the quiet publishes that may have read its flag before it was cleared. The flag is read by the next statement, whose snapshot is taken after the lock
-SELECT pg_advisory_xact_lock_shared(hashtext(%(channel)s), hashtext(%(queue)s));
-
--- insert_message_quiet: as publish, after quiet_lock in the same transaction, for a durable publish of a pending message to a queue whose consumers all polled at the last publish (Store.publish): the NOTIFY only if some consumer of the queue does not poll now ({@wanted}), so mostly one transaction and no NOTIFY; returns the id and whether it notified
-WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
-i AS ({@insert_one}
-    RETURNING id, queue, status),
-w AS MATERIALIZED (SELECT {@wanted} AS wanted FROM (SELECT %(queue)s::text AS queue) AS i)
-SELECT i.id, w.wanted, CASE WHEN w.wanted THEN {@wake} END
-  FROM i, w;
-
--- insert_remembered_quiet: as insert_message_quiet into a remembered route's queue, guarded as publish_remembered (no row when routing changed since)
-WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
-i AS ({@insert_one}
-     WHERE %(epoch)s::bigint = (SELECT n FROM {schema}.routing_epoch)
-    RETURNING id, queue, status),
-w AS MATERIALIZED (SELECT {@wanted} AS wanted FROM (SELECT %(queue)s::text AS queue) AS i)
-SELECT i.id, w.wanted, CASE WHEN w.wanted THEN {@wake} END
-  FROM i, w;
-
--- announce: the NOTIFY of one message written by insert_message or insert_remembered, the one {@wake} sends for publish, from the message's own values (the publisher knows them); none for a pending message whose queue's consumers all poll ({@wanted}). A transaction that only notifies writes no WAL of its own, so its commit does not wait for a flush
-SELECT {@wake}
-  FROM (SELECT %(queue)s::text AS queue, %(status)s::text AS status) AS i
- WHERE i.status <> 'pending' OR {@wanted};
-
--- announce_unchecked: as announce without reading the consumers' flags (they cost about 10 us of server time): what Store.publish sends between two checks of a queue's flags. A statement of its own, not announce with a boolean that skips the read: PostgreSQL folds such a constant away in a custom plan, finds that cheaper than the generic one, and would plan the statement afresh at every execution (0 generic plans of 12 in a check)
+-- announce: the NOTIFY of one message written by insert_message, the one {@wake} sends for publish, from the message's own values (the publisher knows them). A transaction that only notifies writes no WAL of its own, so its commit does not wait for a flush
 SELECT {@wake}
   FROM (SELECT %(queue)s::text AS queue, %(status)s::text AS status) AS i;
 
--- announce_many: the NOTIFYs owed, after a caller's commit, for the messages its transaction wrote without theirs (insert_message, insert_remembered, insert_many), as {@wake} and publish_many send them: one per queue given (queues with a pending message) unless its consumers all poll ({@wanted}), and the earliest due time of the scheduled ones (run_at, NULL if none) on the scheduled channel; one transaction that writes no WAL
+-- announce_many: the NOTIFYs owed, after a caller's commit, for the messages its transaction wrote without theirs (insert_message, insert_many), as {@wake} and publish_many send them: one per queue given (queues with a pending message), and the earliest due time of the scheduled ones (run_at, NULL if none) on the scheduled channel; one transaction that writes no WAL
 SELECT pg_notify(%(channel)s, i.queue)
   FROM unnest(%(queues)s::text[]) AS i(queue)
- WHERE {@wanted}
 UNION ALL
 SELECT pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text)
  WHERE %(run_at)s::timestamptz IS NOT NULL;
@@ -276,34 +227,16 @@ UPDATE {schema}.jobs AS jobs
    AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
 RETURNING jobs.id;
 
--- register_consumer: create or refresh a consumer and its lease; it does not poll (set_polling)
+-- register_consumer: create or refresh a consumer and its lease
 INSERT INTO {schema}.consumers (id, hostname, pid, queues, lease_until)
 VALUES (%(id)s, %(hostname)s, %(pid)s, %(queues)s, now() + make_interval(secs => %(lease)s))
 ON CONFLICT (id) DO UPDATE
-   SET lease_until = EXCLUDED.lease_until, heartbeat_at = now(), queues = EXCLUDED.queues,
-       polling = false;
+   SET lease_until = EXCLUDED.lease_until, heartbeat_at = now(), queues = EXCLUDED.queues;
 
--- start_polling: consumers poll their queues every fetch_cooldown from now on: publishes to a queue whose consumers all poll skip their NOTIFY ({@wanted})
-UPDATE {schema}.consumers SET polling = true WHERE id = ANY(%(ids)s::uuid[]);
-
--- clear_polling: consumers stop polling without waiting for anyone (stop_polling's fallback when a publish holds a queue's lock too long)
-UPDATE {schema}.consumers SET polling = false WHERE id = ANY(%(ids)s::uuid[]);
-
--- stop_polling: consumers stop polling: their flags are cleared and, in the same transaction, each of their queues' advisory lock (quiet_lock) taken exclusively, in a fixed order: this waits for the quiet publishes that may have read a flag before it was cleared, so their messages are committed once this returns and the consumers' next fetch sees them; a later publish reads the cleared flag. Returns one row per queue
-WITH u AS (
-    UPDATE {schema}.consumers SET polling = false
-     WHERE id = ANY(%(ids)s::uuid[])
-    RETURNING queues
-), k AS (
-    SELECT DISTINCT hashtext(q.queue) AS key FROM u, unnest(u.queues) AS q(queue)
-)
-SELECT pg_advisory_xact_lock(hashtext(%(channel)s), k.key) FROM (SELECT key FROM k ORDER BY key) AS k;
-
--- renew_consumers: extend the leases of live consumers and mark their expiring queues used; with polling false, clear their polling flags (the heartbeat never sets them: that would race a consumer that stops polling); returns the ids still known
+-- renew_consumers: extend the leases of live consumers and mark their expiring queues used; returns the ids still known
 WITH c AS (
     UPDATE {schema}.consumers
-       SET lease_until = now() + make_interval(secs => %(lease)s), heartbeat_at = now(),
-           polling = polling AND %(polling)s
+       SET lease_until = now() + make_interval(secs => %(lease)s), heartbeat_at = now()
      WHERE id = ANY(%(ids)s::uuid[])
     RETURNING id, queues
 ), used AS (
@@ -408,12 +341,11 @@ RETURNING q.name;
 -- queue_declaration: the settings a queue was declared with (no row when it does not exist)
 SELECT auto_delete, max_priority, message_ttl, expires FROM {schema}.queues WHERE name = %(name)s;
 
--- live: (fragment, included as {@live} in a condition over a row q of queues) whether queue q is live: it has no x-expires, was used within it, or a consumer whose lease holds consumes it (found through consumer_queues, migration 0010; publish_routed writes the same test over its own CTE with a scan of consumers, which keeps that per-message statement on its generic plan)
+-- live: (fragment, included as {@live} in a condition over a row q of queues) whether queue q is live: it has no x-expires, was used within it, or a consumer whose lease holds consumes it (publish_routed and the SQL function expire_queues() write the same test over their own rows)
 (q.expires IS NULL
  OR q.last_used_at + q.expires * interval '1 millisecond' > now()
- OR EXISTS (SELECT 1 FROM {schema}.consumer_queues AS cq
-              JOIN {schema}.consumers AS c ON c.id = cq.consumer
-             WHERE cq.queue = q.name AND c.lease_until > now()))
+ OR EXISTS (SELECT 1 FROM {schema}.consumers AS c
+             WHERE q.name = ANY (c.queues) AND c.lease_until > now()))
 
 -- has_queue: is the queue declared (and not expired)
 SELECT EXISTS (
@@ -443,7 +375,7 @@ SELECT queue,
  GROUP BY queue
  ORDER BY queue;
 
--- publish_routed: insert one message into every live queue the exchange routes routing_key to (bindings of all processes, plus the queues this process bound), waking their consumers as publish does; returns the queues, each with the routing epoch of this snapshot when no target has x-expires (the route may then be remembered and published to with publish_remembered), else NULL
+-- publish_routed: insert one message into every live queue the exchange routes routing_key to (bindings of all processes, plus the queues this process bound), waking their consumers as publish does; returns the queues written to
 WITH targets AS (
     SELECT t.queue FROM unnest(%(queues)s::text[]) AS t(queue)
     UNION
@@ -481,9 +413,7 @@ WITH targets AS (
       FROM live
     RETURNING queue, status
 )
-SELECT i.queue, {@wake},
-       (SELECT n FROM {schema}.routing_epoch
-         WHERE NOT EXISTS (SELECT 1 FROM known WHERE known.expires IS NOT NULL))
+SELECT i.queue, {@wake}
   FROM i;
 
 -- route: the live queues the exchange routes routing_key to, from the bindings of all processes
@@ -541,9 +471,8 @@ SELECT routing_key, pattern, queue FROM {schema}.bindings WHERE exchange = %(exc
 WITH gone AS (
     DELETE FROM {schema}.queues AS q
      WHERE q.name = ANY(%(names)s::text[]) AND q.auto_delete
-       AND NOT EXISTS (SELECT 1 FROM {schema}.consumer_queues AS cq
-                          JOIN {schema}.consumers AS c ON c.id = cq.consumer
-                        WHERE cq.queue = q.name AND cq.consumer <> %(consumer)s
+       AND NOT EXISTS (SELECT 1 FROM {schema}.consumers AS c
+                        WHERE q.name = ANY (c.queues) AND c.id <> %(consumer)s
                           AND c.lease_until > now())
     RETURNING q.name
 ), d AS (

@@ -53,7 +53,6 @@ TABLES = (
     "exchanges",
     "bindings",
     "consumers",
-    "consumer_queues",
     "migrations",
     "beat_entries",
 )

@@ -166,37 +166,3 @@ def test_failed_migration_applies_nothing(empty_db_url: str) -> None:
     with psycopg.connect(empty_db_url) as conn:
         assert conn.execute("SELECT to_regclass('pgskip.jobs')").fetchone() == (None,)
         assert conn.execute("SELECT to_regclass('pgskip.migrations')").fetchone() == (None,)
-
-
-def test_0010_copies_the_consumers_registered_before_it(empty_db_url: str) -> None:
-    """An upgrade from 0009 with workers registered: consumer_queues starts with each consumer's
-    queues and flag, so publishes keep notifying exactly the queues they notified before."""
-    earlier = [m for m in load_migrations() if m.version < 10]
-    with psycopg.connect(empty_db_url, autocommit=True) as conn:
-        conn.execute("CREATE SCHEMA pgskip")
-        conn.execute(
-            "CREATE TABLE pgskip.migrations (version integer PRIMARY KEY, name text NOT NULL,"
-            " checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        with conn.transaction():
-            conn.execute("SET LOCAL search_path TO pgskip, public")
-            for m in earlier:
-                conn.execute(m.sql.encode())
-                conn.execute(
-                    "INSERT INTO pgskip.migrations (version, name, checksum) VALUES (%s, %s, %s)",
-                    (m.version, m.name, m.checksum),
-                )
-        conn.execute(
-            "INSERT INTO pgskip.consumers (id, hostname, pid, queues, lease_until, polling)"
-            " VALUES ('00000000-0000-0000-0000-000000000001', 'h', 1, '{a,b,a}', now(), true),"
-            "        ('00000000-0000-0000-0000-000000000002', 'h', 2, '{b}', now(), false),"
-            "        ('00000000-0000-0000-0000-000000000003', 'h', 3, '{}', now(), false)"
-        )
-    assert migrate(empty_db_url) == [m.label for m in load_migrations() if m.version >= 10]
-    with psycopg.connect(empty_db_url) as conn:
-        rows = conn.execute(
-            "SELECT right(consumer::text, 1), queue, polling FROM pgskip.consumer_queues"
-            " ORDER BY 1, 2"
-        ).fetchall()
-        assert rows == [("1", "a", True), ("1", "b", True), ("2", "b", False)]
-        assert conn.execute("SELECT to_regclass('pgskip.consumers_notified')").fetchone() == (None,)

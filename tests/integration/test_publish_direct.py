@@ -116,9 +116,7 @@ def test_direct_publish_prepares_again_after_a_reconnect(db_url: str) -> None:
         prepared = store.conn.execute(
             "SELECT name FROM pg_prepared_statements WHERE name LIKE 'pgskip_%' ORDER BY name"
         ).fetchall()
-        # The second publish to q: its announcement does not read the polling flags
-        # (Store.QUIET_CHECK_EVERY).
-        assert prepared == [("pgskip_announce_unchecked",), ("pgskip_insert_message",)]
+        assert prepared == [("pgskip_announce",), ("pgskip_insert_message",)]
     finally:
         store.close()
 
