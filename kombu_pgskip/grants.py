@@ -79,7 +79,8 @@ PUBLISHER_PRIVILEGES: tuple[Privilege, ...] = (
     ("consumers", "SELECT", ()),
     ("migrations", "SELECT", ()),
 )
-WORKER_FUNCTIONS = ("expire_queues()",)
+#: The maintenance a live worker runs itself, as the pg_cron jobs do when none runs.
+WORKER_FUNCTIONS = ("expire_queues()", "sweep(integer)")
 
 
 @dataclass(frozen=True)

@@ -605,8 +605,9 @@ class Store:
         return int(row[1])
 
     def sweep(self, *, max_attempts: int) -> tuple[int, int, int]:
-        """Rows of consumers whose lease ran out: (requeued, failed, consumers forgotten)."""
-        row = self.execute("sweep", {"max_attempts": max_attempts, "channel": self.channel})[0]
+        """Rows of consumers whose lease ran out: (requeued, failed, consumers forgotten).
+        Due scheduled rows are promoted too (the maintenance job's sweep, one definition)."""
+        row = self.execute("sweep", {"max_attempts": max_attempts})[0]
         return int(row[0]), int(row[1]), int(row[2])
 
     def drop_expired(self) -> int:

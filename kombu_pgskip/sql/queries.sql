@@ -264,34 +264,8 @@ WITH c AS (
 )
 SELECT (SELECT count(*) FROM c), (SELECT count(*) FROM r), (SELECT count(*) FROM n);
 
--- sweep: return rows of consumers whose lease ran out to pending (or failed past max_attempts), forget those consumers
-WITH lost AS (
-    SELECT j.id
-      FROM {schema}.jobs AS j
-     WHERE j.status = 'running'
-       AND NOT EXISTS (SELECT 1 FROM {schema}.consumers AS c
-                        WHERE c.id = j.locked_by AND c.lease_until > now())
-       FOR UPDATE OF j SKIP LOCKED
-), r AS (
-    UPDATE {schema}.jobs AS jobs
-       SET status = CASE WHEN jobs.attempts >= %(max_attempts)s THEN 'failed'
-                         ELSE 'pending' END::{schema}.job_status,
-           redelivered = true, locked_by = NULL, locked_at = NULL,
-           finished_at = CASE WHEN jobs.attempts >= %(max_attempts)s THEN now() END,
-           last_error = CASE WHEN jobs.attempts >= %(max_attempts)s
-                             THEN 'consumer lost on each of ' || jobs.attempts || ' deliveries (max_attempts)'
-                             ELSE jobs.last_error END
-      FROM lost
-     WHERE jobs.id = lost.id
-    RETURNING jobs.queue, jobs.status
-), gone AS (
-    DELETE FROM {schema}.consumers WHERE lease_until <= now() RETURNING id
-), n AS (
-    SELECT pg_notify(%(channel)s, d.queue)
-      FROM (SELECT DISTINCT queue FROM r WHERE status = 'pending') AS d
-)
-SELECT (SELECT count(*) FROM r WHERE status = 'pending'), (SELECT count(*) FROM r WHERE status = 'failed'),
-       (SELECT count(*) FROM gone), (SELECT count(*) FROM n);
+-- sweep: return rows of consumers whose lease ran out to pending (or failed past max_attempts), forget those consumers, and promote due scheduled rows: the SQL function sweep() (migration 0002), which the maintenance job runs too; returns (requeued, failed, consumers forgotten)
+SELECT requeued, failed, consumers_forgotten FROM {schema}.sweep(%(max_attempts)s);
 
 -- promote_scheduled: make due scheduled messages pending; returns how many, and seconds until the next one
 WITH due AS (

@@ -257,7 +257,7 @@ def test_no_function_of_the_schema_runs_for_a_role_it_is_not_granted_to(
             " p.prorettype = 'trigger'::regtype FROM pg_proc AS p"
             " WHERE p.pronamespace = 'pgskip'::regnamespace"
         ).fetchall()
-    allowed = {"expire_queues"} if attacker == "worker" else set()
+    allowed = {"expire_queues", "sweep"} if attacker == "worker" else set()
     triggers = [r[0] for r in routines if r[3]]
     assert {t.split(".")[-1] for t in triggers} == TRIGGER_FUNCTIONS
     with psycopg.connect(hostile.url(attacker), autocommit=True) as conn:
@@ -280,7 +280,6 @@ def test_no_function_of_the_schema_runs_for_a_role_it_is_not_granted_to(
                     )
         # Calls, as pg_cron makes them for the owner.
         for call in (
-            "SELECT pgskip.sweep(1)",
             "SELECT pgskip.fire_due()",
             "SELECT * FROM pgskip.prune('0 seconds', '0 seconds')",
             "SELECT pgskip.prune_completed_batch(now(), 1000)",
@@ -289,6 +288,11 @@ def test_no_function_of_the_schema_runs_for_a_role_it_is_not_granted_to(
             _denied(conn, call)
         if attacker == "publisher":
             _denied(conn, "SELECT * FROM pgskip.expire_queues()")
+            _denied(conn, "SELECT pgskip.sweep(1)")
+        else:
+            # The worker's own maintenance, with the worker's rights: the live consumer's rows
+            # stay its own, whatever max_attempts.
+            conn.execute("SELECT pgskip.sweep(1)")
     assert hostile.snapshot() == before
 
 
@@ -641,6 +645,9 @@ def test_migration_0012_closes_the_holes_of_an_older_install(
         assert migrate(db_url) == [m.label for m in load_migrations() if m.version > 11]
         who, emptied = attack()
         assert who == set() and emptied == 0
+        # The worker role keeps what it needs without a second `pgskip grant` (0015: sweep()).
+        may = "SELECT has_function_privilege(%s, 'pgskip.sweep(integer)', 'EXECUTE')"
+        assert rows(db_url, may % f"'{worker.name}'") == [(True,)]
         checks = run_doctor(db_url, "pgskip")
         failed = [c.line() for c in checks if not c.ok]
         # The publisher may still create in public, which is on the worker's default path.
@@ -677,8 +684,8 @@ def _breakages(d: Deployment) -> list[tuple[set[str], list[str], list[str]]]:
     roles = {f"role {pub}: privileges of a publisher", f"role {wrk}: privileges of a worker"}
     return [
         ({"routines not executable by PUBLIC", *roles},
-         ["GRANT EXECUTE ON FUNCTION pgskip.sweep(integer) TO PUBLIC"],
-         ["REVOKE EXECUTE ON FUNCTION pgskip.sweep(integer) FROM PUBLIC"]),
+         ["GRANT EXECUTE ON FUNCTION pgskip.fire_due(timestamptz, interval) TO PUBLIC"],
+         ["REVOKE EXECUTE ON FUNCTION pgskip.fire_due(timestamptz, interval) FROM PUBLIC"]),
         ({"functions pin a safe search_path"},
          ["ALTER FUNCTION pgskip.sweep(integer) SET search_path = pgskip, public"],
          ["ALTER FUNCTION pgskip.sweep(integer) SET search_path = pgskip, pg_catalog, pg_temp"]),
