@@ -315,7 +315,7 @@ RETURNING q.name;
 -- queue_declaration: the settings a queue was declared with (no row when it does not exist)
 SELECT auto_delete, max_priority, message_ttl, expires FROM {schema}.queues WHERE name = %(name)s;
 
--- live: (fragment, included as {@live} in a condition over a row q of queues) whether queue q is live: it has no x-expires, was used within it, or a consumer whose lease holds consumes it (publish_routed and the SQL function expire_queues() write the same test over their own rows)
+-- live: (fragment, included as {@live} in a condition over a row q with the columns name, expires and last_used_at of queues) whether queue q is live: it has no x-expires, was used within it, or a consumer whose lease holds consumes it (the SQL function expire_queues(), which pg_cron calls, restates it)
 (q.expires IS NULL
  OR q.last_used_at + q.expires * interval '1 millisecond' > now()
  OR EXISTS (SELECT 1 FROM {schema}.consumers AS c
@@ -349,6 +349,12 @@ SELECT queue,
  GROUP BY queue
  ORDER BY queue;
 
+-- matches: (fragment, included as {@matches} in a condition over a binding b of an exchange e) whether b routes routing_key: every binding of a fanout exchange, the topic bindings whose pattern matches, the direct bindings of that very key
+CASE e.type WHEN 'fanout' THEN true
+            WHEN 'topic' THEN %(routing_key)s ~ b.pattern
+            WHEN 'direct' THEN b.routing_key = %(routing_key)s
+            ELSE false END
+
 -- publish_routed: insert one message into every live queue the exchange routes routing_key to (bindings of all processes, plus the queues this process bound), waking their consumers as publish does; returns the queues written to
 WITH targets AS (
     SELECT t.queue FROM unnest(%(queues)s::text[]) AS t(queue)
@@ -357,23 +363,17 @@ WITH targets AS (
       FROM {schema}.bindings AS b
       JOIN {schema}.exchanges AS e ON e.name = b.exchange
      WHERE b.exchange = %(exchange)s
-       AND CASE e.type WHEN 'fanout' THEN true
-                       WHEN 'topic' THEN %(routing_key)s ~ b.pattern
-                       WHEN 'direct' THEN b.routing_key = %(routing_key)s
-                       ELSE false END
+       AND {@matches}
 ), known AS (
-    SELECT t.queue, q.name IS NOT NULL AS declared, q.max_priority, q.message_ttl, q.expires,
-           q.last_used_at
+    SELECT t.queue AS name, q.name IS NOT NULL AS declared, q.max_priority, q.message_ttl,
+           q.expires, q.last_used_at
       FROM targets AS t
       LEFT JOIN {schema}.queues AS q ON q.name = t.queue
 ), live AS (
-    SELECT known.queue, known.max_priority, known.message_ttl
-      FROM known
-     WHERE NOT known.declared
-        OR known.expires IS NULL
-        OR known.last_used_at + known.expires * interval '1 millisecond' > now()
-        OR EXISTS (SELECT 1 FROM {schema}.consumers AS c
-                    WHERE known.queue = ANY (c.queues) AND c.lease_until > now())
+    -- A queue nobody declared yet is live, as with Redis.
+    SELECT q.name AS queue, q.max_priority, q.message_ttl
+      FROM known AS q
+     WHERE NOT q.declared OR {@live}
 ), i AS (
     INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
     SELECT live.queue,
@@ -396,10 +396,7 @@ SELECT b.queue
   JOIN {schema}.exchanges AS e ON e.name = b.exchange
   JOIN {schema}.queues AS q ON q.name = b.queue
  WHERE b.exchange = %(exchange)s
-   AND CASE e.type WHEN 'fanout' THEN true
-                   WHEN 'topic' THEN %(routing_key)s ~ b.pattern
-                   WHEN 'direct' THEN b.routing_key = %(routing_key)s
-                   ELSE false END
+   AND {@matches}
    AND {@live}
  ORDER BY b.queue;
 
