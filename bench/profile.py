@@ -379,16 +379,16 @@ def _blocking_consumer(
     """One blocking consumer process (part 6): latencies, CPU and what its cooldown saw."""
     from kombu import Connection, Consumer, Exchange, Queue
 
-    from kombu_pgskip import fetcher
+    from kombu_pgskip import policy
 
     seen = {"empty": 0, "rows": 0}
-    observe = fetcher.Cooldown.observe
+    observe = policy.Cooldown.observe
 
     def counted(self: Any, rows: int) -> None:
         seen["empty" if rows == 0 else "rows"] += 1
         observe(self, rows)
 
-    fetcher.Cooldown.observe = counted  # type: ignore[method-assign,assignment]
+    policy.Cooldown.observe = counted  # type: ignore[method-assign,assignment]
     queue = Queue(queue_name, Exchange(queue_name), queue_name)
     waits: list[float] = []
 

@@ -46,9 +46,9 @@ from celery.canvas import Signature, maybe_signature
 from celery.result import AsyncResult
 
 from . import exceptions
+from .channel import Channel, Collected
 from .envelope import Rebodied, describe_destination
 from .publish import _check_options, _enqueue_on, _refuse_chords
-from .transport import Channel, _Collected
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def publish_many(producer: Any, bodies: Iterable[Any], **publish_options: Any) -
 
 def _publishes(
     producer: Any, channel: Channel, bodies: Iterable[Any], options: dict[str, Any]
-) -> Iterator[_Collected]:
+) -> Iterator[Collected]:
     """The buffered publish of each body, built as it is taken (see :func:`publish_many`)."""
     like: _Like | None = None
     for body in bodies:
@@ -127,7 +127,7 @@ def _publishes(
         yield item
 
 
-def _published(producer: Any, channel: Channel, body: Any, options: dict[str, Any]) -> _Collected:
+def _published(producer: Any, channel: Channel, body: Any, options: dict[str, Any]) -> Collected:
     """``producer.publish(body, **options)``, buffered: what it would write."""
     outer, channel._collected = channel._collected, []
     try:
@@ -142,7 +142,7 @@ class _Like:
     """Buffered publishes like a first one of the same ``publish_many`` call (see there)."""
 
     def __init__(
-        self, producer: Any, channel: Channel, first: _Collected, options: dict[str, Any]
+        self, producer: Any, channel: Channel, first: Collected, options: dict[str, Any]
     ) -> None:
         self.rows = Rebodied(
             first.row,
@@ -161,7 +161,7 @@ class _Like:
 
     @classmethod
     def of(
-        cls, producer: Any, channel: Channel, first: _Collected, options: dict[str, Any]
+        cls, producer: Any, channel: Channel, first: Collected, options: dict[str, Any]
     ) -> _Like | None:
         """The template of ``first``, or ``None`` where splicing does not apply (then every
         body takes the full ``publish``)."""
@@ -172,7 +172,7 @@ class _Like:
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
-    def item(self, body: Any) -> _Collected | None:
+    def item(self, body: Any) -> Collected | None:
         """The buffered publish of ``body``, or ``None`` if it is not like the first."""
         data, content_type, content_encoding = self.prepare(
             body,
@@ -189,7 +189,7 @@ class _Like:
             return None
         first = self.first
         row = self.rows.with_body(encoded, self.next_tag())
-        return _Collected(row, first.exchange, first.routing_key, first.local)
+        return Collected(row, first.exchange, first.routing_key, first.local)
 
 
 def _signatures(tasks: Iterable[Any], app: Any) -> list[Signature]:

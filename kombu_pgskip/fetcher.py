@@ -33,35 +33,6 @@ logger = logging.getLogger(__name__)
 _PARAMS = ("ids", "deliveries", "queues", "limit", "max_bytes", "consumer", "urgent")
 
 
-class Cooldown:
-    """How long a notified fetch waits after the previous fetch was sent (``fetch_cooldown``),
-    adapted to what the worker's notified fetches find.
-
-    Every notification wakes every worker listening on the queue, and with several workers
-    most of them find the message already taken. A notified fetch that comes back empty
-    doubles the wait (up to ``ceiling``); one that takes rows shortens it by a tenth (down to
-    ``base``). The two steps balance where about one notified fetch in eight comes back empty,
-    so a lone worker, whose fetches almost never do, stays at ``base``. Only notified fetches
-    count: an ack flush or a poll finding nothing says nothing about other workers. An idle
-    worker is unaffected whatever the value: its previous fetch is older than any cooldown.
-    """
-
-    GROW = 2.0
-    SHRINK = 0.9
-
-    def __init__(self, base: float, ceiling: float) -> None:
-        self.base = base
-        self.ceiling = max(base, ceiling)
-        self.value = base
-
-    def observe(self, took: int) -> None:
-        """A notified fetch came back with ``took`` rows."""
-        if took:
-            self.value = max(self.base, self.value * self.SHRINK)
-        else:
-            self.value = min(self.ceiling, self.value * self.GROW)
-
-
 class AsyncFetcher:
     """One ``ack_fetch`` in flight at a time on a dedicated connection.
 

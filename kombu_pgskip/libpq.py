@@ -177,7 +177,7 @@ def _run_pipeline(
             pgconn.pipeline_sync()
         while pgconn.flush():  # 1 while data remains to be sent: rare for small statements
             select.select([], [pgconn.socket], [], 1.0)
-        results = [_pipeline_results(pgconn, 1)[0] for _ in steps]
+        results = [_pipeline_result(pgconn) for _ in steps]
         pgconn.exit_pipeline_mode()
     except BaseException:
         # Lost, or interrupted with results unread: the connection's state is unknown, so it
@@ -187,9 +187,9 @@ def _run_pipeline(
     return results
 
 
-def _pipeline_results(pgconn: pq.abc.PGconn, count: int) -> list[pq.abc.PGresult]:
-    """The results of the next ``count`` statements in the pipeline (the first result of
-    each), up to and including the Sync that follows them."""
+def _pipeline_result(pgconn: pq.abc.PGconn) -> pq.abc.PGresult:
+    """The result of the next statement in the pipeline (its first), up to and including the
+    Sync that follows it."""
     results: list[pq.abc.PGresult] = []
     result: pq.abc.PGresult | None = None
     while True:
@@ -199,7 +199,7 @@ def _pipeline_results(pgconn: pq.abc.PGconn, count: int) -> list[pq.abc.PGresult
             pgconn.consume_input()
         res = pgconn.get_result()
         if res is None:
-            # The end of a statement's results. Two in a row (no result between) only come
+            # The end of the statement's results. Two in a row (no result between) only come
             # from a connection that went away.
             if result is None or pgconn.status != pq.ConnStatus.OK:
                 raise connection_error(pgconn, pgconn.get_error_message() or "connection lost")
@@ -207,9 +207,9 @@ def _pipeline_results(pgconn: pq.abc.PGconn, count: int) -> list[pq.abc.PGresult
             result = None
             continue
         if res.status == pq.ExecStatus.PIPELINE_SYNC:
-            if result is not None or len(results) != count:
+            if result is not None or len(results) != 1:
                 raise connection_error(pgconn, "the pipeline's sync came out of turn")
-            return results
+            return results[0]
         if result is None:
             result = res
 

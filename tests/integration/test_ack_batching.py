@@ -189,9 +189,9 @@ def test_a_blocking_consumer_in_a_stream_fetches_once_per_notification_with_the_
     """Once a fetch drained the queue, the next ``drain_events`` waits for a notification
     instead of fetching at once; the acks of the batch just delivered ride along with the
     notification's fetch: a message at a time costs one statement, not two."""
-    from kombu_pgskip import transport as transport_module
+    from kombu_pgskip import policy as policy_module
 
-    monkeypatch.setattr(transport_module, "ACK_FLUSH_DELAY", 1.0)  # longer than the gaps
+    monkeypatch.setattr(policy_module, "ACK_FLUSH_DELAY", 1.0)  # longer than the gaps
     queue = Queue("stream", Exchange("stream"), "stream")
     options = {"polling_interval": 30, "fetch_cooldown": 0}
     with _listening(db_url, queue, options) as (conn, other, received):
@@ -208,7 +208,7 @@ def test_a_blocking_consumer_writes_its_acks_within_the_flush_delay_when_nothing
 ) -> None:
     """With nothing announced, the acks of the last batch wait ``ACK_FLUSH_DELAY`` for a
     notification's fetch to carry them, then go with a fetch of their own."""
-    from kombu_pgskip.transport import ACK_FLUSH_DELAY
+    from kombu_pgskip.policy import ACK_FLUSH_DELAY
 
     queue = Queue("quiet", Exchange("quiet"), "quiet")
     with Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn:
@@ -236,9 +236,9 @@ def test_a_blocking_consumer_stops_holding_acks_back_while_messages_come_seldom(
     """Holding the acks back for ``ACK_FLUSH_DELAY`` pays only if a notification comes
     meanwhile. Once one did not, the next calls send them at once with a fetch (no wake-up
     spent on a timer); once one comes within the delay again, they wait to ride along."""
-    from kombu_pgskip import transport as transport_module
+    from kombu_pgskip import policy as policy_module
 
-    monkeypatch.setattr(transport_module, "ACK_FLUSH_DELAY", 0.05)
+    monkeypatch.setattr(policy_module, "ACK_FLUSH_DELAY", 0.05)
     queue = Queue("seldom", Exchange("seldom"), "seldom")
     options = {"polling_interval": 30, "fetch_cooldown": 0}
     with _listening(db_url, queue, options) as (conn, other, received):
@@ -304,7 +304,7 @@ def test_a_notification_read_by_a_call_that_times_out_is_fetched_by_the_next(
         _channel, received = _consuming(conn, queue, 10)
         with contextlib.suppress(TimeoutError):
             conn.drain_events(timeout=0.7)  # LISTEN opened, the queue found empty
-        listener = conn.transport._listener
+        listener = conn.transport.dispatcher.poller.listener
         assert listener is not None
         _publish(other, queue, 1)
         conn.drain_events(timeout=5)  # a fetch just now: the next waits 0.5 s
@@ -338,7 +338,7 @@ def test_a_blocking_consumer_fetches_on_a_connection_of_its_own_with_the_generic
                 conn.drain_events(timeout=0.2)  # writes the last ack
             assert [b["i"] for b in received] == list(range(8))
             assert _statuses(db_url) == ["completed"] * 8
-            fetcher = channel._fetcher
+            fetcher = channel.fetcher
             if not own:
                 assert fetcher is None
                 continue
@@ -359,9 +359,9 @@ def test_a_blocking_fetch_left_in_flight_is_delivered_by_the_next_drain(db_url: 
     with Connection(_broker(db_url)) as conn:
         _publish(conn, queue, 3)
         channel, received = _consuming(conn, queue, 10)
-        fetcher = channel._own_fetcher()
+        fetcher = channel.own_fetcher()
         assert fetcher is not None
-        channel._ensure_registered([queue.name])
+        channel.ensure_registered([queue.name])
         # What a wait interrupted after the send leaves behind.
         fetcher.send([], [queue.name], 10, channel.consumer_id)
         conn.drain_events(timeout=5)
@@ -371,7 +371,7 @@ def test_a_blocking_fetch_left_in_flight_is_delivered_by_the_next_drain(db_url: 
 
 def test_a_small_refill_waits_for_more_credit_on_an_event_loop(db_url: str) -> None:
     queue = Queue("refill", Exchange("refill"), "refill")
-    # Synchronous fetches, so that each _async_drain call below has done its fetch on return.
+    # Synchronous fetches, so that each loop_drain call below has done its fetch on return.
     with Connection(_broker(db_url), transport_options={"async_fetch": False}) as conn:
         _publish(conn, queue, 12)
         received: list[object] = []
@@ -390,16 +390,16 @@ def test_a_small_refill_waits_for_more_credit_on_an_event_loop(db_url: str) -> N
             received[0].ack()  # type: ignore[attr-defined]
             # One slot of eight free while seven are held: the fetch (and the ack with it)
             # is put off rather than sent for a single message.
-            transport._async_drain()
+            transport.dispatcher.loop_drain()
             assert len(received) == 8
             assert _statuses(db_url).count("running") == 8
             for message in received[1:4]:
                 message.ack()  # type: ignore[attr-defined]
-            transport._async_drain()  # half the window free: fetch now, acks included
+            transport.dispatcher.loop_drain()  # half the window free: fetch now, acks included
             assert len(received) == 12
             assert _statuses(db_url).count("completed") == 4
             received[4].ack()  # type: ignore[attr-defined]
-            transport._refill()  # what the loop runs REFILL_DELAY after a deferral
+            transport.dispatcher.refill()  # what the loop runs REFILL_DELAY after a deferral
             assert _statuses(db_url).count("completed") == 5
         finally:
             conn.transport.unregister_from_event_loop(conn.connection, hub)
@@ -433,26 +433,27 @@ def test_acks_the_heartbeat_failed_to_write_are_written_by_its_next_beat(db_url:
     beat that finds it dead does not drop the acks it took; the next beat writes them. This
     fits one CI failure: a row left ``running`` under a consumer whose lease kept being
     renewed."""
-    from kombu_pgskip.transport import _Heartbeat
+    from kombu_pgskip.background import Background
 
     with Connection(_broker(db_url), transport_options={"lease_seconds": 3}) as conn:
         message = _one_received(conn, "beat-lost")
-        running = conn.transport._heartbeat
+        transport = conn.transport
+        running = transport._background
         assert running is not None
-        running.stop_event.set()  # beats from here on are this test's, one at a time
+        running.stop()  # beats from here on are this test's, one at a time
         running.join(10)
-        heartbeat = _Heartbeat(conn.transport)
+        heartbeat = Background(transport.url, transport.options, transport.consumer_channels)
         try:
-            heartbeat.beat()  # connected
+            heartbeat.leases(heartbeat.store)  # connected
             with psycopg.connect(db_url, autocommit=True) as admin:
                 pid = heartbeat.store.conn.info.backend_pid
                 admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
             message.ack()
             with pytest.raises(psycopg.OperationalError):
-                heartbeat.beat()
+                heartbeat.leases(heartbeat.store)
             assert _statuses(db_url) == ["running"]
             heartbeat.store.close()  # as the heartbeat thread does after a failed beat
-            heartbeat.beat()
+            heartbeat.leases(heartbeat.store)
             assert _statuses(db_url) == ["completed"]
         finally:
             heartbeat.store.close()
@@ -471,9 +472,9 @@ def test_on_an_event_loop_the_fetch_does_not_block_the_loop(db_url: str) -> None
             ).consume()
             transport = conn.transport
             transport.register_with_event_loop(conn.connection, hub)
-            transport._async_drain()
+            transport.dispatcher.loop_drain()
             assert received == [], "the fetch was sent; its rows arrive when the loop reads them"
-            assert channel._fetcher is not None and channel._fetcher.in_flight
+            assert channel.fetcher is not None and channel.fetcher.in_flight
             deadline = time.monotonic() + 10
             while len(received) < 10 and time.monotonic() < deadline:
                 hub.run_once()
@@ -504,8 +505,8 @@ def test_closing_with_a_fetch_in_flight_puts_its_rows_back(db_url: str) -> None:
         channel = conn.channel()
         Consumer(channel, [queue], callbacks=[lambda body, m: received.append(m)]).consume()
         conn.transport.register_with_event_loop(conn.connection, hub)
-        conn.transport._async_drain()
-        assert channel._fetcher is not None and channel._fetcher.in_flight
+        conn.transport.dispatcher.loop_drain()
+        assert channel.fetcher is not None and channel.fetcher.in_flight
         channel.close()  # before the loop read the reply
         conn.transport.unregister_from_event_loop(conn.connection, hub)
         hub.close()
@@ -612,9 +613,9 @@ def test_on_an_event_loop_an_ack_rides_with_the_next_notifications_fetch(
     """An ack on an idle consumer (nothing left behind for lack of credit) does not cost a
     fetch of its own: the fetch a notification triggers writes it, or one fetch
     ``ACK_FLUSH_DELAY`` later if nothing arrives."""
-    from kombu_pgskip import transport as transport_module
+    from kombu_pgskip import policy as policy_module
 
-    monkeypatch.setattr(transport_module, "ACK_FLUSH_DELAY", 0.5)  # an order the test can see
+    monkeypatch.setattr(policy_module, "ACK_FLUSH_DELAY", 0.5)  # an order the test can see
     queue = Queue("carried", Exchange("carried"), "carried")
     with (
         Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn,
@@ -624,7 +625,7 @@ def test_on_an_event_loop_an_ack_rides_with_the_next_notifications_fetch(
         _run_until(hub, lambda: len(received) == 1)
         assert len(received) == 1
         _run_until(hub, lambda: False, timeout=0.2)  # settled: no fetch in flight or queued
-        assert not channel._fetcher.in_flight
+        assert not channel.fetcher.in_flight
         fetch_sends.clear()
         received[0].ack()
         hub.run_once()
@@ -651,10 +652,11 @@ def test_an_ack_frees_credit_for_messages_left_behind_at_once(db_url: str) -> No
         _publish(conn, queue, 6)
         with _consuming_on_a_hub(conn, queue, 2) as (channel, received, hub):
             _run_until(hub, lambda: len(received) == 2)
-            assert len(received) == 2 and channel._starved
+            assert len(received) == 2 and channel.fetch_state.starved
             for message in received:
                 message.ack()
-            assert conn.transport._fetch_wanted, "the wake-up asks for a fetch, not a flush"
+            policy = conn.transport.dispatcher.policy
+            assert policy.fetch_wanted, "the wake-up asks for a fetch, not a flush"
             _run_until(hub, lambda: len(received) == 4)
             assert len(received) == 4
 
@@ -668,14 +670,14 @@ def test_a_notification_during_a_fetch_in_flight_is_not_lost(db_url: str) -> Non
         _consuming_on_a_hub(conn, queue, 4) as (channel, received, hub),
     ):
         transport = conn.transport
-        _run_until(hub, lambda: channel._fetcher is not None and not channel._fetcher.in_flight)
-        transport._async_drain()  # a fetch of the (empty) queue is in flight
-        assert channel._fetcher is not None and channel._fetcher.in_flight
+        _run_until(hub, lambda: channel.fetcher is not None and not channel.fetcher.in_flight)
+        transport.dispatcher.loop_drain()  # a fetch of the (empty) queue is in flight
+        assert channel.fetcher is not None and channel.fetcher.in_flight
         _publish(conn, queue, 1)
-        listener = transport._listener
+        listener = transport.dispatcher.poller.listener
         assert listener is not None
         select.select([listener.pgconn.socket], [], [], 5)
-        transport._on_listener_readable()  # the notification, before the fetch's reply
+        transport.dispatcher.on_notified()  # the notification, before the fetch's reply
         started = time.monotonic()
         _run_until(hub, lambda: len(received) == 1, timeout=5)
         assert len(received) == 1, "delivered without waiting for the 30 s poll"
@@ -719,10 +721,10 @@ def test_the_cooldown_grows_while_notified_fetches_find_nothing_and_shrinks_back
         Connection(_broker(db_url)) as other,
         _consuming_on_a_hub(conn, queue, 10) as (channel, received, hub),
     ):
-        cooldown = conn.transport._cooldown
+        cooldown = conn.transport.dispatcher.policy.cooldown
 
         def settled() -> bool:
-            return channel._fetcher is not None and not channel._fetcher.in_flight
+            return channel.fetcher is not None and not channel.fetcher.in_flight
 
         _run_until(hub, settled)
         _publish(other, queue, 0)  # declares the queue on the other connection
@@ -738,7 +740,7 @@ def test_the_cooldown_grows_while_notified_fetches_find_nothing_and_shrinks_back
         assert received == []
         assert values == [0.02, 0.04, 0.08, 0.08], "doubled per empty notified fetch, capped"
 
-        conn.transport._async_drain()  # a fetch no notification asked for, finding nothing
+        conn.transport.dispatcher.loop_drain()  # a fetch no notification asked for, finding nothing
         _run_until(hub, settled)
         assert cooldown.value == 0.08
 
@@ -775,11 +777,11 @@ def test_a_blocking_consumer_adapts_its_cooldown_as_the_event_loop_does(
         Connection(_broker(db_url)) as other,
     ):
         transport = conn.transport
-        cooldown = transport._cooldown
+        cooldown = transport.dispatcher.policy.cooldown
         _channel, received = _consuming(conn, queue, 10)
         with contextlib.suppress(TimeoutError):
             conn.drain_events(timeout=0.2)  # LISTEN opened, the queue found empty
-        listener = transport._listener
+        listener = transport.dispatcher.poller.listener
         assert listener is not None
         _publish(other, queue, 0)  # declares the queue on the other connection
 

@@ -129,14 +129,15 @@ def test_a_control_message_committed_before_a_task_is_delivered_before_it(
         before = len(noack_fetches)
         _publish(other, CONTROL, 1)
         _publish(other, TASKS, 1)
-        transport._async_drain({"tasks"})  # the task fetch, before any notification is read
-        fetcher = tasks._fetcher
+        # The task fetch, before any notification is read.
+        transport.dispatcher.loop_drain({"tasks"})
+        fetcher = tasks.fetcher
         assert fetcher is not None and fetcher.in_flight
         assert noack_fetches[before:] == [], "the drain itself left the control queue alone"
         deadline = time.monotonic() + 10
         while fetcher.in_flight and time.monotonic() < deadline:
             select.select([fetcher.fileno()], [], [], 1.0)
-            transport._on_fetch_readable(tasks)
+            transport.dispatcher._on_fetch_readable(tasks)
         assert fetcher.urgent, "the task fetch saw the control message waiting"
         assert delivered == [("control", 1), ("task", 1)]
         assert noack_fetches[before:] == [["control"]]
@@ -246,7 +247,7 @@ def test_a_channel_consuming_both_ways_fetches_its_no_ack_queues_every_time(
             before = len(noack_fetches)
             _publish(other, CONTROL, 0)
             _publish(other, TASKS, 0)
-            conn.transport._async_drain({"tasks"})  # before any notification is read
+            conn.transport.dispatcher.loop_drain({"tasks"})  # before any notification is read
             assert delivered[2:] == [("control", 0), ("task", 0)]
             assert noack_fetches[before:] == [["control"]]
         finally:

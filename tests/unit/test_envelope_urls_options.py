@@ -21,7 +21,7 @@ from kombu_pgskip.envelope import (
     to_row,
     validate_queue_name,
 )
-from kombu_pgskip.fetcher import Cooldown
+from kombu_pgskip.policy import Cooldown
 from kombu_pgskip.transport import Options
 from kombu_pgskip.urls import (
     SECRET_PARAMETERS,

@@ -1,0 +1,331 @@
+"""When a worker fetches, and how much: the fetch policy, one state object and no I/O.
+
+The transport delivers in one of two ways: kombu's blocking ``drain_events`` (a plain kombu
+consumer, Celery's solo pool) or callbacks on Celery's event loop (a prefork worker). Both ask
+the same :class:`FetchPolicy` what to do and tell it what happened; the sockets, timers and
+statements are :mod:`~kombu_pgskip.poller`'s and :mod:`~kombu_pgskip.dispatch`'s. The rules:
+
+* **Credit.** A fetch asks for at most the consumer's free prefetch credit (and
+  ``fetch_limit``). In the event loop, a small refill (less than half the window free while
+  the rest is held) is put off for ``REFILL_DELAY``: acks freeing more credit meanwhile make
+  one larger fetch instead of one statement per finished task.
+* **More due.** A fetch that filled its limit (or stopped at its byte budget) may have left
+  due messages behind: the next one goes at once, not at a notification or the poll. One that
+  left messages for lack of credit marks the channel *starved*: the next ack fetches at once.
+* **Cooldown.** Every notification wakes every worker listening on the queue. A notified fetch
+  waits until ``fetch_cooldown`` after the previous fetch was sent, so that while tasks stream
+  in one fetch takes the messages of that moment together; the cooldown adapts to what
+  notified fetches find (:class:`Cooldown`). An idle worker fetches at once.
+* **Acks ride along.** Queued acks wait (``ACK_FLUSH_DELAY`` at most) for a fetch to carry
+  them; outside an event loop they stop waiting when notifications lately came further apart
+  than that (:class:`DrainCall`).
+* **No-ack queues** (remote control, events) are fetched when due: a notification for one,
+  the poll, a promotion, a new consumer, or a task fetch that saw a message waiting in one.
+  Only in the event loop with notifications and task fetches that tell; elsewhere, every time.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .options import Options
+
+#: Seconds the event loop waits before a small refill (less than half the prefetch window free
+#: while the rest is still held): acks freeing more credit meanwhile make one larger fetch.
+REFILL_DELAY = 0.001
+
+#: Seconds an ack may wait for a fetch to carry it when nothing asks for a fetch sooner (a
+#: notification, or credit freed while messages were left behind for lack of it). While tasks
+#: stream in, the next notification's fetch writes it; on an idle worker one fetch this much
+#: later does. Unwritten acks only delay a row's ``completed``: a crash meanwhile redelivers,
+#: never loses.
+ACK_FLUSH_DELAY = 0.005
+
+#: How much longer than ``polling_interval`` the worker waits, at most, before looking for
+#: scheduled messages to promote when none is known to be due.
+PROMOTE_HORIZON = 5
+
+
+class Cooldown:
+    """How long a notified fetch waits after the previous fetch was sent (``fetch_cooldown``),
+    adapted to what the worker's notified fetches find.
+
+    Every notification wakes every worker listening on the queue, and with several workers
+    most of them find the message already taken. A notified fetch that comes back empty
+    doubles the wait (up to ``ceiling``); one that takes rows shortens it by a tenth (down to
+    ``base``). The two steps balance where about one notified fetch in eight comes back empty,
+    so a lone worker, whose fetches almost never do, stays at ``base``. Only notified fetches
+    count: an ack flush or a poll finding nothing says nothing about other workers. An idle
+    worker is unaffected whatever the value: its previous fetch is older than any cooldown.
+    """
+
+    GROW = 2.0
+    SHRINK = 0.9
+
+    def __init__(self, base: float, ceiling: float) -> None:
+        self.base = base
+        self.ceiling = max(base, ceiling)
+        self.value = base
+
+    def observe(self, took: int) -> None:
+        """A notified fetch came back with ``took`` rows."""
+        if took:
+            self.value = max(self.base, self.value * self.SHRINK)
+        else:
+            self.value = min(self.ceiling, self.value * self.GROW)
+
+
+@dataclass
+class ChannelState:
+    """What the policy knows of one consuming channel."""
+
+    #: Its last fetch filled its limit (or its byte budget): more may be due right now.
+    more_due: bool = False
+    #: Messages may be waiting that its last fetch left for lack of prefetch credit.
+    starved: bool = False
+    #: Its no-ack queues are to be fetched at its next fetch.
+    noack_due: bool = True
+    #: Its last fetch was put off as a small refill (:meth:`FetchPolicy.limit`).
+    refill_deferred: bool = False
+    #: :attr:`FetchPolicy.wake_seq` when its fetch in flight was sent, and whether a
+    #: notification had come since the fetch before (then what it finds adapts the cooldown).
+    sent_wake_seq: int = 0
+    notified_fetch: bool = False
+
+
+class Next(enum.Enum):
+    """What the event loop does once a fetch's rows are delivered."""
+
+    DRAIN = "drain"  # the fetch filled its limit: more may be due now
+    AFTER_COOLDOWN = "after_cooldown"  # a notification came while it was in flight
+    FLUSH_ACKS = "flush_acks"  # acks came in while it was in flight
+    NOTHING = "nothing"
+
+
+class Wake(enum.Enum):
+    """What a queued ack asks of the consumer thread."""
+
+    FETCH = "fetch"  # fetch now, carrying the ack
+    FLUSH = "flush"  # write the acks within ACK_FLUSH_DELAY (event loop)
+    NONE = "none"  # an earlier ack already asked
+
+
+@dataclass
+class FetchPolicy:
+    """The fetch decisions of one transport (all its channels), and the state they read."""
+
+    fetch_limit: int
+    polling_interval: float
+    listen: bool
+    async_fetch: bool
+    cooldown: Cooldown
+    #: Registered with Celery's event loop (else kombu's blocking ``drain_events``).
+    in_loop: bool = False
+    #: Counts notifications for consumed queues: one that arrives while a fetch is in flight
+    #: (its snapshot may predate the message) calls for another fetch after it.
+    wake_seq: int = 0
+    #: When the last fetch was sent (monotonic seconds).
+    last_fetch: float = 0.0
+    #: When to promote scheduled messages next.
+    next_promote: float = 0.0
+    #: A wake-up asked for a fetch (not only for acks to be written).
+    fetch_wanted: bool = False
+    #: What the last batch over every channel found: a channel filled its limit; a channel put
+    #: a small refill off.
+    more_due: bool = False
+    refill_deferred: bool = False
+    #: ``drain_events``: the last batch drained the queues, so the next call waits for a
+    #: notification before fetching; when to fetch for want of one; whether, lately, a
+    #: notification came within ACK_FLUSH_DELAY of a call that had acks to write (then they
+    #: wait to ride along); when the current call first read a notification.
+    drained: bool = False
+    poll_at: float = 0.0
+    ack_wait_pays: bool = True
+    notified_at: float | None = None
+
+    @classmethod
+    def of(cls, options: Options) -> FetchPolicy:
+        return cls(
+            fetch_limit=options.fetch_limit,
+            polling_interval=options.polling_interval,
+            listen=options.listen,
+            async_fetch=options.async_fetch,
+            cooldown=Cooldown(options.fetch_cooldown, options.fetch_cooldown_max),
+        )
+
+    # -- one channel's fetch ------------------------------------------------------------------
+
+    def limit(
+        self, state: ChannelState, *, credit: int | None, prefetch_count: int, eager: bool
+    ) -> int:
+        """How many messages the channel's next fetch asks for; 0: none now.
+
+        ``credit`` is the free prefetch credit (None: no prefetch limit). Unless ``eager``, a
+        small refill is put off while the consumer still holds at least half its window
+        (``state.refill_deferred``); no credit at all marks the channel starved.
+        """
+        limit = self.fetch_limit
+        if credit is not None:
+            limit = min(credit, limit)
+            window = min(prefetch_count, self.fetch_limit)
+            held = prefetch_count - credit
+            if not eager and 0 < limit < max(1, window // 2) and held > 0:
+                state.refill_deferred = True
+                return 0
+        if limit <= 0:
+            state.starved = True
+            return 0
+        return limit
+
+    def skips_noack(self) -> bool:
+        """Whether a fetch may leave the no-ack queues out unless they are due: only in the
+        event loop, notified, with task fetches that tell whether a message waits in one
+        (fetching them every time costs the loop a round trip per fetch)."""
+        return self.in_loop and self.listen and self.async_fetch
+
+    def fetches_noack(self, state: ChannelState, *, with_ack_queues: bool) -> bool:
+        """Whether the channel's fetch takes its no-ack queues now. A channel that also
+        consumes with acks takes both every time: its own fetch of those does not say whether
+        a no-ack queue has a message waiting."""
+        return state.noack_due or with_ack_queues or not self.skips_noack()
+
+    def sent(self, state: ChannelState, now: float) -> None:
+        """The channel's fetch was sent (on a fetch connection) at ``now``."""
+        state.notified_fetch = state.sent_wake_seq != self.wake_seq
+        state.sent_wake_seq = self.wake_seq
+        self.last_fetch = now
+
+    def fetched(self, state: ChannelState, *, took: int, filled: bool) -> None:
+        """The channel's fetch came back with ``took`` rows; ``filled``: it stopped at its
+        limit or byte budget, so due messages may be left behind."""
+        state.more_due = state.starved = filled
+        if state.notified_fetch:
+            state.notified_fetch = False
+            self.cooldown.observe(took)
+
+    def after_loop_fetch(self, state: ChannelState, *, acks_waiting: bool) -> Next:
+        if state.more_due:
+            return Next.DRAIN
+        if state.sent_wake_seq != self.wake_seq:
+            # A notification arrived after the statement was sent (its message may have
+            # committed after the fetch's snapshot): fetch again once cooled down.
+            return Next.AFTER_COOLDOWN
+        if acks_waiting:
+            return Next.FLUSH_ACKS  # their flush may have fired while the fetch ran
+        return Next.NOTHING
+
+    def ack_queued(self, state: ChannelState, *, first: bool) -> Wake:
+        """An ack was queued (it freed prefetch credit). Outside an event loop, or when the
+        last fetch left messages behind for lack of credit, the consumer fetches at once
+        (with the ack). Otherwise the first queued ack asks the loop to write it within
+        ``ACK_FLUSH_DELAY``, and a notification's fetch usually carries it before that, so a
+        stream of short tasks costs one statement per notification, not two."""
+        if not self.in_loop or state.starved:
+            return Wake.FETCH
+        return Wake.FLUSH if first else Wake.NONE
+
+    # -- notifications, promotion -------------------------------------------------------------
+
+    def notified(self, now: float) -> None:
+        """A notification for a consumed queue arrived."""
+        self.wake_seq += 1
+        if self.notified_at is None:
+            self.notified_at = now
+
+    def cooldown_left(self, now: float) -> float:
+        """Seconds until a notified fetch may be sent (the cooldown after the previous one)."""
+        return self.last_fetch + self.cooldown.value - now
+
+    def promote_due(self, now: float) -> bool:
+        return now >= self.next_promote
+
+    def promoted(self, now: float, next_in: float | None) -> None:
+        """Scheduled messages were promoted; the next falls due in ``next_in`` s (None: none
+        is scheduled)."""
+        horizon = self.polling_interval * PROMOTE_HORIZON
+        delay = horizon if next_in is None else min(max(next_in, 0.0), horizon)
+        self.next_promote = now + delay
+
+    def scheduled(self, now: float, due_in: float) -> None:
+        """A scheduled message was published, due in ``due_in`` s."""
+        self.next_promote = min(self.next_promote, now + due_in)
+
+    # -- kombu's blocking drain_events --------------------------------------------------------
+
+    def drain_call(self, now: float, *, notified: bool, acks_waiting: bool) -> DrainCall:
+        """Begin a ``drain_events`` call at ``now``. ``notified``: notifications for consumed
+        queues came in since the last wait."""
+        return DrainCall(self, now, notified=notified, acks_waiting=acks_waiting)
+
+
+class DrainCall:
+    """One ``drain_events`` call: when it fetches, how long it waits.
+
+    Once a fetch has taken less than it asked for (the queues are drained), the next one is
+    sent for a notification (once the cooldown has passed), a scheduled message falling due, a
+    wake-up from another thread, or the poll, as in the event loop: not at the start of every
+    call. The acks of the batch just delivered ride along with that fetch, or with one sent
+    ``ACK_FLUSH_DELAY`` after the call began; when notifications have lately come further apart
+    than that, they go at once, with a fetch.
+    """
+
+    def __init__(
+        self, policy: FetchPolicy, now: float, *, notified: bool, acks_waiting: bool
+    ) -> None:
+        self.policy = policy
+        self.fetch_at: float | None = now  # None: at a wake-up or the poll
+        self.learning = False  # whether this call tells if holding its acks back pays
+        if policy.drained:
+            self.fetch_at = None
+            if notified:
+                policy.drained = False  # owed to the notification even if this call times out
+                self.fetch_at = now + max(0.0, policy.cooldown_left(now))
+            elif acks_waiting:
+                self.learning = True
+                if not policy.ack_wait_pays:
+                    # Lately no notification came within ACK_FLUSH_DELAY of a call: messages
+                    # come further apart than that, so the acks go at once, with a fetch.
+                    self.fetch_at = now
+        self.ack_due = now + ACK_FLUSH_DELAY
+        policy.notified_at = None
+
+    def should_fetch(self, now: float, *, promoted: bool) -> bool:
+        if promoted or now >= self.policy.poll_at:
+            self.fetch_at = now
+        return self.fetch_at is not None and now >= self.fetch_at
+
+    def fetched(self, now: float, *, more_due: bool) -> None:
+        """A batch was fetched and delivered at ``now``; ``more_due``: a channel filled its
+        limit or was starved of credit."""
+        policy = self.policy
+        policy.drained = policy.listen and not more_due
+        policy.poll_at = now + policy.polling_interval
+        self.fetch_at = None
+
+    def wait(self, now: float, *, acks_waiting: bool, deadline: float | None) -> float | None:
+        """How long to wait for a wake-up; None: the call's ``timeout`` has passed."""
+        policy = self.policy
+        wait = min(policy.poll_at, policy.next_promote) - now
+        if self.fetch_at is not None:
+            wait = min(wait, self.fetch_at - now)
+        if acks_waiting:
+            wait = min(wait, self.ack_due - now)
+        if deadline is not None:
+            if now >= deadline:
+                return None
+            wait = min(wait, deadline - now)
+        return max(0.0, wait)
+
+    def woke(self, now: float, *, woken: bool, acks_waiting: bool) -> None:
+        """The wait ended at ``now``; ``woken``: for a fetch (not at its time)."""
+        if self.learning and (self.policy.notified_at is not None or now >= self.ack_due):
+            # Did a notification come while the acks could wait for its fetch? (When it came,
+            # not when the cooldown let its fetch go.)
+            notified_at = self.policy.notified_at
+            self.policy.ack_wait_pays = notified_at is not None and notified_at <= self.ack_due
+            self.learning = False
+        if woken or (acks_waiting and now >= self.ack_due):
+            self.fetch_at = now  # a fetch carries the waiting acks too

@@ -1,0 +1,206 @@
+"""The fetch policy, without a database: credit, refills, cooldown, acks riding along, the
+blocking ``drain_events`` schedule and promotion times (kombu_pgskip.policy)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kombu_pgskip.options import Options
+from kombu_pgskip.policy import (
+    ACK_FLUSH_DELAY,
+    ChannelState,
+    FetchPolicy,
+    Next,
+    Wake,
+)
+
+
+def _policy(**options: object) -> FetchPolicy:
+    return FetchPolicy.of(Options.from_transport_options(dict(options)))
+
+
+def test_a_fetch_asks_for_the_free_credit_up_to_the_fetch_limit() -> None:
+    policy = _policy(fetch_limit=50)
+    state = ChannelState()
+    assert policy.limit(state, credit=None, prefetch_count=0, eager=False) == 50
+    assert policy.limit(state, credit=8, prefetch_count=8, eager=False) == 8
+    assert policy.limit(state, credit=200, prefetch_count=200, eager=False) == 50
+    assert not state.refill_deferred and not state.starved
+
+
+def test_a_small_refill_is_put_off_in_the_event_loop_unless_eager() -> None:
+    policy = _policy()
+    state = ChannelState()
+    # One slot of eight free while seven are held: put off.
+    assert policy.limit(state, credit=1, prefetch_count=8, eager=False) == 0
+    assert state.refill_deferred and not state.starved
+    # Half the window free: fetch now.
+    state = ChannelState()
+    assert policy.limit(state, credit=4, prefetch_count=8, eager=False) == 4
+    assert not state.refill_deferred
+    # Eager (the retry REFILL_DELAY later): fetch the one.
+    state = ChannelState()
+    assert policy.limit(state, credit=1, prefetch_count=8, eager=True) == 1
+    # Nothing held: an idle consumer's first fetch is never put off.
+    state = ChannelState()
+    assert policy.limit(state, credit=1, prefetch_count=1, eager=False) == 1
+
+
+def test_no_credit_marks_the_channel_starved_and_an_ack_then_fetches_at_once() -> None:
+    policy = _policy()
+    policy.in_loop = True
+    state = ChannelState()
+    assert policy.limit(state, credit=0, prefetch_count=4, eager=True) == 0
+    assert state.starved
+    assert policy.ack_queued(state, first=True) is Wake.FETCH
+    # A fetch that took less than its limit: nothing is known to wait any more.
+    policy.fetched(state, took=2, filled=False)
+    assert not state.starved and not state.more_due
+    assert policy.ack_queued(state, first=True) is Wake.FLUSH
+    assert policy.ack_queued(state, first=False) is Wake.NONE
+
+
+def test_outside_an_event_loop_every_ack_asks_for_a_fetch() -> None:
+    policy = _policy()
+    assert policy.ack_queued(ChannelState(), first=False) is Wake.FETCH
+
+
+def test_a_filled_fetch_calls_for_another_at_once() -> None:
+    policy = _policy()
+    state = ChannelState()
+    policy.fetched(state, took=100, filled=True)
+    assert state.more_due and state.starved
+    assert policy.after_loop_fetch(state, acks_waiting=True) is Next.DRAIN
+
+
+def test_a_notification_during_a_fetch_calls_for_another_after_the_cooldown() -> None:
+    policy = _policy(fetch_cooldown=0.01)
+    state = ChannelState()
+    policy.sent(state, now=100.0)
+    policy.fetched(state, took=1, filled=False)
+    assert policy.after_loop_fetch(state, acks_waiting=False) is Next.NOTHING
+    assert policy.after_loop_fetch(state, acks_waiting=True) is Next.FLUSH_ACKS
+    policy.sent(state, now=101.0)
+    policy.notified(now=101.001)  # while the fetch was in flight
+    policy.fetched(state, took=0, filled=False)
+    assert policy.after_loop_fetch(state, acks_waiting=True) is Next.AFTER_COOLDOWN
+    assert policy.cooldown_left(101.005) == pytest.approx(0.005)
+    assert policy.cooldown_left(101.02) < 0
+
+
+def test_only_notified_fetches_adapt_the_cooldown() -> None:
+    policy = _policy(fetch_cooldown=0.01, fetch_cooldown_max=0.08)
+    state = ChannelState()
+    # Not notified (a poll, an ack flush): an empty fetch says nothing about other workers.
+    policy.sent(state, now=1.0)
+    policy.fetched(state, took=0, filled=False)
+    assert policy.cooldown.value == 0.01
+    grown = []
+    for i in range(5):
+        policy.notified(now=2.0 + i)
+        policy.sent(state, now=2.0 + i)
+        policy.fetched(state, took=0, filled=False)  # another worker took the message
+        grown.append(policy.cooldown.value)
+    assert grown == pytest.approx([0.02, 0.04, 0.08, 0.08, 0.08])
+    for i in range(40):
+        policy.notified(now=10.0 + i)
+        policy.sent(state, now=10.0 + i)
+        policy.fetched(state, took=3, filled=False)
+    assert policy.cooldown.value == 0.01
+
+
+def test_no_ack_queues_are_skipped_only_in_the_event_loop_with_notifications() -> None:
+    state = ChannelState(noack_due=False)
+    looped = _policy()
+    looped.in_loop = True
+    assert looped.skips_noack()
+    assert not looped.fetches_noack(state, with_ack_queues=False)
+    assert looped.fetches_noack(state, with_ack_queues=True)
+    assert looped.fetches_noack(ChannelState(noack_due=True), with_ack_queues=False)
+    blocking = _policy()
+    assert not blocking.skips_noack() and blocking.fetches_noack(state, with_ack_queues=False)
+    for options in ({"listen": False}, {"async_fetch": False}):
+        policy = _policy(**options)
+        policy.in_loop = True
+        assert not policy.skips_noack()
+
+
+def test_promotion_comes_back_when_the_next_scheduled_message_is_due() -> None:
+    policy = _policy(polling_interval=1.0)
+    assert policy.promote_due(0.0)
+    policy.promoted(10.0, next_in=0.3)
+    assert policy.next_promote == pytest.approx(10.3)
+    policy.promoted(10.0, next_in=None)  # nothing scheduled: look again after a while
+    assert policy.next_promote == pytest.approx(15.0)
+    policy.promoted(10.0, next_in=3600.0)
+    assert policy.next_promote == pytest.approx(15.0)
+    policy.scheduled(11.0, due_in=0.5)  # a scheduled publish announced an earlier due time
+    assert policy.next_promote == pytest.approx(11.5)
+    assert not policy.promote_due(11.4) and policy.promote_due(11.5)
+
+
+def test_a_drain_call_fetches_at_once_until_a_fetch_drains_the_queues() -> None:
+    policy = _policy(polling_interval=30.0)
+    policy.next_promote = 1e9
+    call = policy.drain_call(0.0, notified=False, acks_waiting=False)
+    assert call.should_fetch(0.0, promoted=False)
+    call.fetched(0.001, more_due=False)
+    assert policy.drained and policy.poll_at == pytest.approx(30.001)
+    # The next call waits for a notification, the poll, or its deadline.
+    call = policy.drain_call(1.0, notified=False, acks_waiting=False)
+    assert not call.should_fetch(1.0, promoted=False)
+    assert call.wait(1.0, acks_waiting=False, deadline=3.0) == pytest.approx(2.0)
+    assert call.wait(3.0, acks_waiting=False, deadline=3.0) is None
+    call.woke(1.5, woken=True, acks_waiting=False)
+    assert call.should_fetch(1.5, promoted=False)
+    # A promotion or the poll fetches too.
+    call = policy.drain_call(2.0, notified=False, acks_waiting=False)
+    assert call.should_fetch(2.0, promoted=True)
+    call = policy.drain_call(2.0, notified=False, acks_waiting=False)
+    assert call.should_fetch(31.0, promoted=False)
+
+
+def test_a_drain_call_after_a_filled_fetch_fetches_at_once() -> None:
+    policy = _policy(polling_interval=30.0)
+    policy.drain_call(0.0, notified=False, acks_waiting=False).fetched(0.0, more_due=True)
+    assert not policy.drained
+    assert policy.drain_call(1.0, notified=False, acks_waiting=False).should_fetch(
+        1.0, promoted=False
+    )
+
+
+def test_a_notified_drain_call_waits_for_the_cooldown() -> None:
+    policy = _policy(polling_interval=30.0, fetch_cooldown=0.5, fetch_cooldown_max=0.5)
+    policy.next_promote = 1e9
+    state = ChannelState()
+    policy.sent(state, now=10.0)
+    policy.drain_call(10.0, notified=False, acks_waiting=False).fetched(10.0, more_due=False)
+    call = policy.drain_call(10.1, notified=True, acks_waiting=False)
+    assert not policy.drained, "owed to the notification even if the call times out"
+    assert not call.should_fetch(10.1, promoted=False)
+    assert call.wait(10.1, acks_waiting=False, deadline=None) == pytest.approx(0.4)
+    assert call.should_fetch(10.5, promoted=False)
+
+
+def test_acks_wait_for_a_notification_while_notifications_come_soon_enough() -> None:
+    policy = _policy(polling_interval=30.0, fetch_cooldown=0)
+    policy.next_promote = 1e9
+    policy.drain_call(0.0, notified=False, acks_waiting=False).fetched(0.0, more_due=False)
+    # Acks waiting: the call holds them back up to ACK_FLUSH_DELAY for a notification.
+    call = policy.drain_call(1.0, notified=False, acks_waiting=True)
+    assert not call.should_fetch(1.0, promoted=False)
+    assert call.wait(1.0, acks_waiting=True, deadline=None) == pytest.approx(ACK_FLUSH_DELAY)
+    # None came in time: the acks go with a fetch, and the next call sends them at once.
+    call.woke(1.0 + ACK_FLUSH_DELAY, woken=False, acks_waiting=True)
+    assert not policy.ack_wait_pays
+    assert call.should_fetch(1.0 + ACK_FLUSH_DELAY, promoted=False)
+    call.fetched(1.01, more_due=False)
+    call = policy.drain_call(2.0, notified=False, acks_waiting=True)
+    assert call.should_fetch(2.0, promoted=False)
+    call.fetched(2.0, more_due=False)
+    # A call that holds them back and sees a notification in time learns that waiting pays.
+    policy.ack_wait_pays = False
+    call = policy.drain_call(3.0, notified=False, acks_waiting=True)
+    policy.notified(3.001)
+    call.woke(3.001, woken=True, acks_waiting=True)
+    assert policy.ack_wait_pays
