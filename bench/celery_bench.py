@@ -145,14 +145,16 @@ def publish_breakdown(
 
     * Celery + kombu: the same ``apply_async`` to kombu's in-memory transport;
     * pgskip envelope: ``to_row`` (JSON encoding of the kombu message);
-    * SQL: time inside ``Store.execute_direct`` (the INSERT statement and its commit);
+    * SQL: time inside the store's executor running the per-message statements
+      (``OwnConnection.run_then``: the INSERT, its commit and its NOTIFY; ``run_direct``: the
+      INSERT with its NOTIFY with asynchronous commits, and routing);
     * commit wait: SQL time minus the SQL time of the same statement with
       ``synchronous_commit=off`` (the WAL flush the publisher waits for).
     """
     import psycopg
 
-    import kombu_pgskip.store as store_mod
-    import kombu_pgskip.transport as transport_mod
+    import kombu_pgskip.channel as channel_mod
+    import kombu_pgskip.executor as executor_mod
 
     out: dict[str, Any] = {"messages": n}
     mem = publisher_app(Broker("memory", "memory", url="memory://", available=True), "bench.mem")
@@ -165,12 +167,12 @@ def publish_breakdown(
     out["celery_kombu_memory_us"] = round(1e6 * (time.perf_counter() - t0) / n, 1)
     mem.close()
 
-    # The per-message statements: _insert_announced (the insert and its NOTIFY, or the single
-    # statement with asynchronous commits, which it runs through execute_direct) and
-    # execute_direct (routing); a call inside another is counted once.
-    orig_run = store_mod.Store.execute_direct
-    orig_announced = store_mod.Store._insert_announced
-    orig_to_row = transport_mod.to_row
+    # The per-message statements, as the store's own connection runs them: run_then (the
+    # insert, then its NOTIFY) and run_direct (the insert with its NOTIFY with asynchronous
+    # commits, and routing); a call inside another is counted once.
+    orig_run = executor_mod.OwnConnection.run_direct
+    orig_then = executor_mod.OwnConnection.run_then
+    orig_to_row = channel_mod.to_row
     acc = {"sql": 0.0, "to_row": 0.0}
     depth = [0]
 
@@ -194,9 +196,9 @@ def publish_breakdown(
         finally:
             acc["to_row"] += time.perf_counter() - c0
 
-    store_mod.Store.execute_direct = timed(orig_run)  # type: ignore[method-assign]
-    store_mod.Store._insert_announced = timed(orig_announced)  # type: ignore[method-assign]
-    transport_mod.to_row = timed_to_row
+    executor_mod.OwnConnection.run_direct = timed(orig_run)  # type: ignore[method-assign]
+    executor_mod.OwnConnection.run_then = timed(orig_then)  # type: ignore[method-assign]
+    channel_mod.to_row = timed_to_row
     try:
         for broker in (pgskip, pgskip_async):
             broker.reset()
@@ -217,9 +219,9 @@ def publish_breakdown(
             out[f"{key}_rate"] = round(1 / total, 1)
             app.close()
     finally:
-        store_mod.Store.execute_direct = orig_run  # type: ignore[method-assign]
-        store_mod.Store._insert_announced = orig_announced  # type: ignore[method-assign]
-        transport_mod.to_row = orig_to_row
+        executor_mod.OwnConnection.run_direct = orig_run  # type: ignore[method-assign]
+        executor_mod.OwnConnection.run_then = orig_then  # type: ignore[method-assign]
+        channel_mod.to_row = orig_to_row
 
     # The pgskip publish statement alone, as the transport runs it, with a real payload.
     with psycopg.connect(pgskip.db_url or "", autocommit=True) as conn:

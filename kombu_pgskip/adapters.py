@@ -64,7 +64,7 @@ _C = TypeVar("_C", bound=AfterCommit)
 
 
 def pyformat_text(template: str, schema: str) -> str:
-    """A ``queries.sql`` block with the schema quoted in, for drivers that take ``%(name)s``.
+    """A runtime SQL block with the schema quoted in, for drivers that take ``%(name)s``.
 
     The blocks use the ``str.format`` syntax that :meth:`psycopg.sql.SQL.format` also follows
     (``{schema}``, ``{{`` for a literal brace), so both render the same statement.

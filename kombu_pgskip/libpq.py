@@ -75,7 +75,7 @@ def connection_error(pgconn: pq.abc.PGconn, message: str) -> psycopg.Error:
 
 
 class Statement:
-    """One statement of ``queries.sql``, run with :meth:`run` on a psycopg connection.
+    """One runtime statement (``sql/*.sql``), run with :meth:`run` on a psycopg connection.
 
     With ``prepared`` (the default) it is prepared once per connection under a name of its
     own (psycopg's automatic names start with ``_pg3_``); without, the text is sent every time

@@ -57,9 +57,8 @@ import functools
 import logging
 import threading
 import weakref
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
-from datetime import datetime
 from functools import cached_property
 from typing import Any
 
@@ -84,11 +83,11 @@ from .adapters import (
     psycopg_depth,
     pyformat_text,
 )
+from .executor import CallerConnection
 from .migrate import require_version
-from .sql import queries_for, quote_ident, raw_queries
-from .store import NewMessage, Store, publish_chunks
+from .sql import quote_ident
+from .store import Store
 from .transport import Channel, Options, Transport
-from .urls import Connection
 
 logger = logging.getLogger(__name__)
 
@@ -103,176 +102,12 @@ _CHECK_QUERIES = {
 
 
 @functools.cache
-def _statement_texts(schema: str) -> dict[int, tuple[Query, str]]:
-    """id(composed statement) -> (statement, its text for pyformat drivers), per schema."""
-    composed = queries_for(schema)
-    return {
-        id(query): (query, pyformat_text(raw_queries()[name], schema))
-        for name, query in composed.items()
-    }
-
-
-@functools.cache
 def _check_statements(schema: str) -> dict[str, tuple[Query, str]]:
     ident = sql.Identifier(schema)
     return {
         name: (sql.SQL(text).format(schema=ident), pyformat_text(text, schema))
         for name, text in _CHECK_QUERIES.items()
     }
-
-
-class _CallerStore(Store):
-    """The broker's statements, run on the caller's connection through an :class:`Adapter`."""
-
-    def __init__(self, adapter: Adapter, *, schema: str, notify_after_commit: bool = True) -> None:
-        """``notify_after_commit``: where the caller's connection has an after-commit hook
-        (:meth:`Adapter.after_commit`: Django's ``on_commit``, a SQLAlchemy ``Session``'s
-        ``after_commit`` event, a :func:`transaction` block on psycopg 3), the NOTIFYs are
-        sent on it right after the caller's commit (see :meth:`_wakes`); elsewhere they stay
-        in the caller's transaction, which alone makes a rollback wake nobody."""
-        super().__init__(
-            f"caller's {adapter.driver} connection",
-            schema=schema,
-            check=False,
-            notify_after_commit=False,
-        )
-        self.adapter = adapter
-        self._announce_after_commit = notify_after_commit
-        # A statement run through libpq here (_statement) leaves nothing prepared in a
-        # session that is not ours.
-        self._prepared = False
-
-    def __repr__(self) -> str:
-        return f"<Store on the caller's {self.adapter.driver} connection schema={self.schema}>"
-
-    @property
-    def conn(self) -> Connection:
-        raise RuntimeError(
-            "kombu-pgskip tried to open a connection of its own inside apply_async_in; "
-            "everything must go through the caller's connection (this is a bug)"
-        )
-
-    def connect(self) -> None:
-        """Nothing to open: the caller's connection is open, and was checked."""
-
-    def close(self) -> None:
-        """Never close the caller's connection: it is not ours."""
-
-    def execute_direct(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        """Through the caller's driver, as every statement here."""
-        return self.execute(name, params)
-
-    def _wakes(self) -> _Wakes | None:
-        """Where the connection has an after-commit hook (Django's ``on_commit``, a
-        SQLAlchemy ``Session``, a :func:`transaction` block on psycopg 3) and
-        ``notify_after_commit`` is on: the NOTIFYs this savepoint of the caller's transaction
-        owes, to which a write adds its own; they are sent in one statement right after the
-        commit.
-
-        PostgreSQL holds one lock for the whole cluster from the commit of a transaction that
-        notified until that commit is flushed (and confirmed by a synchronous standby): with
-        the NOTIFY inside, every transaction that enqueues commits one at a time. After the
-        commit, ``announce_many`` runs in a transaction of its own that writes no WAL, once
-        for all the jobs of the transaction (one NOTIFY per queue). A rollback, or a savepoint
-        rolled back, drops what it owed: nobody is woken for a job that does not exist. If the
-        statement fails, or the process dies before it runs, the jobs are committed anyway and
-        consumers find them at their next poll.
-        """
-        if not self._announce_after_commit:
-            return None
-        return self.adapter.after_commit(("pgskip-wakes", self.schema), lambda: _Wakes(self))
-
-    def _insert_announced(self, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        """The insert without its NOTIFY, which :meth:`_wakes` sends after the commit; else
-        (no after-commit hook) the insert with its NOTIFY, in the caller's transaction."""
-        wakes = self._wakes()
-        if wakes is None:
-            return self.execute_direct("publish", params)
-        rows = self.execute("insert_message", params)
-        wakes.add(params["queue"], params["status"], params["run_at"])
-        return rows
-
-    def announce(self, queues: list[str], run_at: datetime | None) -> None:
-        """``announce_many`` on the caller's connection, now in autocommit, after its commit.
-        On a psycopg 3 connection it goes through libpq directly, unprepared: in a loop on the
-        test machine, 232 us and 62 us of client CPU per statement against 352 and 189 through
-        Django's cursor."""
-        params = {"queues": queues, "run_at": run_at, **self._channels}
-        try:
-            raw = self.adapter.identity()
-            if isinstance(raw, psycopg.Connection):
-                self._statement("announce_many").run(raw, params)
-            else:
-                query = self.q["announce_many"]
-                self.adapter.run_after_commit(query, self._text(query), params)
-        except Exception as exc:  # the jobs are committed: raising would reach the caller's commit
-            logger.warning(
-                "the NOTIFY after the caller's commit failed (consumers find the job at "
-                "their next poll): %s",
-                str(exc).strip(),
-                extra={"action": "announce_failed"},
-            )
-
-    def publish_many(self, messages: Sequence[NewMessage]) -> list[int]:
-        """As :meth:`Store.publish_many`; the caller's transaction makes the chunks atomic.
-        With an after-commit hook, the chunks are inserted without their NOTIFYs, which go
-        with the transaction's others after the commit (:meth:`_wakes`)."""
-        wakes = self._wakes()
-        if wakes is None:
-            return [i for chunk in publish_chunks(messages) for i in self._publish_chunk(chunk)]
-        ids = [
-            i
-            for chunk in publish_chunks(messages)
-            for i in self._publish_chunk(chunk, "insert_many")
-        ]
-        for m in messages:
-            wakes.add(m.queue, m.status, m.run_at)
-        return ids
-
-    def publish_stream(self, messages: Iterable[NewMessage]) -> list[int]:
-        """As :meth:`publish_many`: the caller's driver sends one statement at a time."""
-        return self.publish_many(list(messages))
-
-    def run(self, query: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        return self.adapter.run(query, self._text(query), params)
-
-    def _text(self, query: Any) -> str:
-        """``query`` as text for pyformat drivers."""
-        known = _statement_texts(self.schema).get(id(query))
-        if known is not None and known[0] is query:
-            return known[1]
-        # not a queries.sql statement: render it (psycopg >= 3.2 needs no connection)
-        return query.as_string(None) if isinstance(query, sql.Composable) else str(query)
-
-
-class _Wakes:
-    """The NOTIFYs one savepoint of a caller's transaction owes, sent right after its commit
-    (:meth:`_CallerStore._wakes`): each queue that got a pending job once, and the earliest due
-    time of its scheduled jobs, as ``publish_many`` sends them inside a transaction."""
-
-    def __init__(self, store: _CallerStore) -> None:
-        self.after_commit_key: Hashable = ("pgskip-wakes", store.schema)
-        self._store = store
-        self._queues: dict[str, None] = {}  # in the order first written
-        self._due: datetime | None = None
-
-    def add(self, queue: str, status: str, run_at: datetime | None) -> None:
-        if status == "pending":
-            self._queues[queue] = None
-        else:
-            self._due_at(run_at)
-
-    def _due_at(self, run_at: datetime | None) -> None:
-        if run_at is not None and (self._due is None or run_at < self._due):
-            self._due = run_at
-
-    def __call__(self) -> None:
-        self._store.announce(list(self._queues), self._due)
-
-    def merge(self, other: _Wakes) -> None:
-        """Owe what ``other`` owes too (a nested block's, once it was kept)."""
-        self._queues.update(other._queues)
-        self._due_at(other._due)
 
 
 _VirtualChannel: Any = virtual.Channel
@@ -327,9 +162,8 @@ class _CallerTransport(Transport):
     def store(self) -> Store:
         client: Any = self.client
         adapter: Adapter = client.transport_options[_ADAPTER_OPTION]
-        return _CallerStore(
-            adapter,
-            schema=self.options.schema,
+        return Store.on(
+            CallerConnection(adapter, schema=self.options.schema),
             notify_after_commit=self.options.notify_after_commit,
         )
 
@@ -549,7 +383,8 @@ def transaction(
     lock from the commit until the commit is flushed (and confirmed by a synchronous standby):
     transactions that enqueue commit one at a time. Here the jobs are written without it, and
     once the outermost block has committed, one statement on ``conn`` (in autocommit: it leaves
-    no transaction open) sends one NOTIFY per queue, as on Django (:meth:`_CallerStore._wakes`).
+    no transaction open) sends one NOTIFY per queue, as on Django
+    (:meth:`~kombu_pgskip.executor.CallerConnection.wakes`).
     A rollback, an exception, :class:`psycopg.Rollback` or ``force_rollback`` sends nothing.
     The extra statement costs a round trip and a small transaction: it pays where many
     processes enqueue and commits are slow (network storage, a synchronous standby), and

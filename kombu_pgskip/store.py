@@ -1,15 +1,15 @@
 """Every database operation of the broker, by name.
 
-A :class:`Store` owns one psycopg connection in autocommit mode: each operation is one statement
-and one transaction (a durable publish is two: the insert, then its NOTIFY), so a crash between
-two operations leaves every row in a state the sweeper understands. The connection is opened
-lazily, dropped (never closed) in a forked child, and reopened after it broke. psycopg
-serialises concurrent use of one connection, so acks from pool threads and fetches from the
-consumer thread can share it.
+A :class:`Store` holds the operations: which runtime statement (``sql/*.sql``) each runs, with what
+parameters, and where the NOTIFY that wakes consumers goes (:meth:`Store._notify_placement`).
+An executor (:mod:`kombu_pgskip.executor`) runs them on one session:
 
-Subclasses can run the same statements on a connection that belongs to someone else (the
-caller's transaction) by overriding :meth:`Store.run`; such a store must never commit, roll back
-or close that connection.
+* ``Store(url, ...)`` runs them on a connection of its own
+  (:class:`~kombu_pgskip.executor.OwnConnection`) in autocommit mode: each operation is one
+  statement and one transaction (a durable publish is two: the insert, then its NOTIFY), so a
+  crash between two operations leaves every row in a state the sweeper understands;
+* ``Store.on(CallerConnection(adapter, schema=...))`` runs the same operations in a caller's
+  transaction (``apply_async_in``), which it never commits, rolls back or closes.
 """
 
 from __future__ import annotations
@@ -17,21 +17,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
-
-import psycopg
-from psycopg import pq
+from typing import Any, NamedTuple
 
 from . import exceptions
-from .libpq import Statement, run_then
-from .migrate import check_schema
-from .sql import queries_for, queries_in
-from .urls import Connection, connect, mask_url
+from .executor import Executor, OwnConnection, Wakes, check_writable
+from .sql import queries_for
+from .urls import Connection
 
 logger = logging.getLogger(__name__)
 
@@ -138,12 +133,38 @@ def validate_schema_name(schema: object) -> str:
     return schema
 
 
-_schema_checked: set[tuple[str, str]] = set()
-_schema_lock = threading.Lock()
+class _Placement(NamedTuple):
+    """Where an insert's NOTIFY goes (:meth:`Store._notify_placement`): the insert statement
+    to run, the statement that announces it in a transaction of its own right behind (or
+    ``None``), and the NOTIFYs owed after the caller's commit to add its messages to (or
+    ``None``)."""
+
+    insert: str
+    announce: str | None
+    wakes: Wakes | None
+
+
+class _Inserts:
+    """The runtime statements that write messages (one, or several), and where
+    each puts the NOTIFY: ``notifying`` inside its own statement, ``quiet`` nowhere (another
+    statement sends it), ``announce`` alone."""
+
+    __slots__ = ("behind", "inside", "quiet")
+
+    def __init__(self, notifying: str, quiet: str, announce: str) -> None:
+        self.quiet = quiet
+        self.inside = _Placement(notifying, None, None)
+        self.behind = _Placement(quiet, announce, None)
+
+
+#: One message and several: the single-row statements take 12-15 % less wall time per single
+#: publish than the multi-row ones.
+_ONE_ROW = _Inserts("publish", "insert_message", "announce")
+_MANY_ROWS = _Inserts("publish_many", "insert_many", "announce_many")
 
 
 class Store:
-    """The broker's database operations on one lazily opened connection."""
+    """The broker's database operations, run by an :class:`~kombu_pgskip.executor.Executor`."""
 
     def __init__(
         self,
@@ -156,100 +177,69 @@ class Store:
         keep_completed: bool = True,
         **connect_kwargs: Any,
     ):
-        """``asynchronous_commit`` sets ``synchronous_commit = off`` for this connection's
+        """A store on a connection of its own to ``url``
+        (:class:`~kombu_pgskip.executor.OwnConnection`, which takes ``check``,
+        ``asynchronous_commit`` and ``connect_kwargs``).
+
+        ``asynchronous_commit`` sets ``synchronous_commit = off`` for this connection's
         session: commits return before their WAL is flushed. Only for statements whose loss in
         a server crash is harmless (fetches and acks: a lost one means a redelivery).
 
-        ``notify_after_commit``: a single-message publish sends its NOTIFY in a transaction of
-        its own right after the insert's (see :meth:`publish`). Moot with
-        ``asynchronous_commit``, whose commits do not wait for a flush.
+        ``notify_after_commit`` and ``keep_completed``: see :meth:`on`."""
+        executor = OwnConnection(
+            url,
+            schema=validate_schema_name(schema),
+            check=check,
+            asynchronous_commit=asynchronous_commit,
+            **connect_kwargs,
+        )
+        self._bind(executor, notify_after_commit=notify_after_commit, keep_completed=keep_completed)
+
+    @classmethod
+    def on(
+        cls, executor: Executor, *, notify_after_commit: bool = True, keep_completed: bool = True
+    ) -> Store:
+        """A store whose statements ``executor`` runs, on the schema it names.
+
+        ``notify_after_commit``: an insert's NOTIFY goes after the commit of the insert's
+        transaction where that can be had, not inside it (:meth:`_notify_placement`).
 
         ``keep_completed=False`` (the transport option): :meth:`ack` and :meth:`ack_fetch`
         delete the acknowledged messages instead of marking them completed."""
-        self.url = url
+        store = cls.__new__(cls)
+        store._bind(
+            executor, notify_after_commit=notify_after_commit, keep_completed=keep_completed
+        )
+        return store
+
+    def _bind(self, executor: Executor, *, notify_after_commit: bool, keep_completed: bool) -> None:
+        self.executor = executor
+        self.schema = validate_schema_name(executor.schema)
+        self.q = queries_for(self.schema)
+        self.channel = notify_channel(self.schema)
+        # Every insert statement wakes consumers itself (migration 0004): the two channels.
+        self._channels = {
+            "channel": self.channel,
+            "scheduled_channel": scheduled_channel(self.schema),
+        }
         self._ack, self._ack_fetch = (
             ("ack", "ack_fetch") if keep_completed else ("ack_delete", "ack_delete_fetch")
         )
-        self._asynchronous_commit = asynchronous_commit
-        self._notify_after_commit = (
-            notify_after_commit and not asynchronous_commit and psycopg.Pipeline.is_supported()
-        )
-        self.schema = validate_schema_name(schema)
-        self.q = queries_for(schema)
-        self.channel = notify_channel(schema)
-        # Every insert statement wakes consumers itself (migration 0004): the two channels.
-        self._channels = {"channel": self.channel, "scheduled_channel": scheduled_channel(schema)}
-        self._masked_url = mask_url(url)
-        self._check = check
-        self._connect_kwargs = connect_kwargs
-        self._conn: Connection | None = None
-        self._opening = threading.Lock()
-        # Held for every statement, and for the whole of a transaction that spans several
-        # (publish_many, publish_stream): another thread's statement waits for that
-        # transaction to end instead of running inside it.
-        self._busy = threading.RLock()
-        self._pid = os.getpid()
-        # Statements run through libpq (execute_direct), prepared unless psycopg may not
-        # prepare either (PgBouncer in transaction pooling mode).
-        self._direct: dict[str, Statement] = {}
-        self._prepared = connect_kwargs.get("prepare_threshold", 5) is not None
+        self._notify_after_commit = notify_after_commit
+        # What sends the NOTIFYs owed after a caller's commit (CallerConnection.wakes).
+        self._announce_owed = ("announce_many", self.q["announce_many"], self._channels)
+        self._where = executor.where
 
     def __repr__(self) -> str:
-        return f"<Store {self._masked_url} schema={self.schema}>"
+        return f"<Store {self._where} schema={self.schema}>"
 
     # -- connection ------------------------------------------------------------------------------
 
-    def _forget_parent(self) -> None:
-        """In a forked child: the parent's socket is not ours to use or to close, nor is the
-        state of its locks (a thread of the parent may have held one when it forked)."""
-        if self._pid != os.getpid():
-            self._conn = None
-            self._opening = threading.Lock()
-            self._busy = threading.RLock()
-            self._pid = os.getpid()
-
-    @property
-    def _busy_lock(self) -> threading.RLock:
-        """``_busy``, replaced first in a forked child."""
-        self._forget_parent()
-        return self._busy
-
     @property
     def conn(self) -> Connection:
-        self._forget_parent()
-        conn = self._conn
-        if conn is None or conn.closed:
-            with self._opening:  # two threads finding no connection open one, not two
-                conn = self._conn
-                if conn is None or conn.closed:
-                    conn = self._connect()
-                    self._conn = conn
-        return conn
-
-    def _connect(self) -> Connection:
-        conn = connect(self.url, **self._connect_kwargs)
-        try:
-            if self._asynchronous_commit:
-                conn.execute("SET synchronous_commit TO off")
-            self._ensure_schema(conn)
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-
-    def _ensure_schema(self, conn: Connection) -> None:
-        if not self._check:
-            return
-        key = (self.url, self.schema)
-        with _schema_lock:
-            if key in _schema_checked:
-                return
-        try:
-            check_schema(conn, self.schema)
-        except psycopg.Error as exc:
-            raise exceptions.translate(exc, url_for_messages=mask_url(self.url)) from exc
-        with _schema_lock:
-            _schema_checked.add(key)
+        """The executor's own connection, opened if need be (an executor on a caller's
+        connection has none to give)."""
+        return self.executor.conn
 
     def connect(self) -> None:
         """Open the connection now and check it: raises if the server is unusable.
@@ -257,115 +247,54 @@ class Store:
         Unless ``check`` is off, the schema must be installed at the needed version
         (:class:`~kombu_pgskip.exceptions.SchemaError`) and the session must be able to write
         (:class:`~kombu_pgskip.exceptions.ReadOnlyDatabase` naming the cause: a standby, or
-        ``default_transaction_read_only`` and where it was set).
+        ``default_transaction_read_only`` and where it was set). On the caller's connection,
+        nothing: it is open, and was checked.
         """
-        _ = self.conn
-        if self._check:
-            try:
-                self.check_writable()
-            except BaseException:
-                self.close()  # the channel is not created: nobody else would close it
-                raise
+        self.executor.connect()
 
     def check_writable(self) -> None:
         """Raise :class:`~kombu_pgskip.exceptions.ReadOnlyDatabase` if this session cannot write."""
-        query = queries_in("health.sql", self.schema)["write_access"]
-        read_only, standby, source, user, database = self.run(query, {})[0]
-        if read_only:
-            raise exceptions.ReadOnlyDatabase.because(
-                standby=bool(standby),
-                source=source,
-                user=str(user),
-                database=str(database),
-                where=mask_url(self.url),
-            )
+        check_writable(self.executor)
 
     def close(self) -> None:
-        """Close the connection; in a forked child, only forget it."""
-        conn, self._conn = self._conn, None
-        if conn is None or self._pid != os.getpid():
-            return
-        try:
-            conn.close()
-        except Exception:  # closing a broken connection must not mask the original error
-            logger.debug("error closing connection", exc_info=True)
+        """Close the connection; in a forked child, only forget it; never the caller's."""
+        self.executor.close()
 
     def execute(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """Run the named statement; driver errors that have a clearer meaning are translated."""
-        with exceptions.translating(url_for_messages=self._masked_url):
-            return self.run(self.q[name], params)
+        with exceptions.translating(url_for_messages=self._where):
+            return self.executor.run(self.q[name], params)
 
     def run(self, query: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        with self._busy_lock:
-            cur = self.conn.execute(query, params)
-            return cur.fetchall() if cur.description is not None else []
+        """Run ``query`` (a statement of another SQL file) as it is."""
+        return self.executor.run(query, params)
 
-    def execute_direct(self, name: str, params: dict[str, Any]) -> list[tuple[str | None, ...]]:
-        """As :meth:`execute` through libpq (:mod:`kombu_pgskip.libpq`): the values come back
-        as text. For the statements run once per message, where psycopg's own overhead is a
-        measurable share of the time."""
-        with exceptions.translating(url_for_messages=self._masked_url), self._busy_lock:
-            res = self._statement(name).run(self.conn, params)
-        return _text_rows(res)
-
-    def _statement(self, name: str) -> Statement:
-        statement = self._direct.get(name)
-        if statement is None:
-            text = self.q[name].as_string(None)
-            statement = self._direct[name] = Statement(name, text, prepared=self._prepared)
-        return statement
+    def execute_direct(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """As :meth:`execute`, by the executor's fastest way (on its own connection, through
+        libpq, the values coming back as text): for the statements run once per message,
+        where psycopg's own overhead is a measurable share of the time."""
+        with exceptions.translating(url_for_messages=self._where):
+            return self.executor.run_direct(name, self.q[name], params)
 
     # -- publishing ------------------------------------------------------------------------------
 
     def publish(self, message: NewMessage) -> int:
-        """Insert one message into its queue, committed when this returns; returns its id.
-
-        The NOTIFY that wakes the queue's consumers goes in a transaction of its own, sent
-        right behind the insert's in the same round trip (``announce``). PostgreSQL takes one
-        lock for the whole cluster when a transaction that notified commits and holds it
-        until the commit's WAL is flushed, so notifying inside the insert's transaction would
-        let only one durable publish commit at a time, whatever the number of publishers; a
-        transaction that only notifies writes no WAL and holds that lock briefly. Nothing is
-        lost if the announcement never comes (its connection dies in between): consumers find
-        the row at their next poll. Each publish then takes two transaction ids.
-        """
-        params = message.params()
-        params.update(self._channels)
-        return int(self._insert_announced(params)[0][0] or 0)
-
-    def _insert_announced(self, params: dict[str, Any]) -> list[tuple[str | None, ...]]:
-        """``insert_message`` then ``announce`` as :meth:`publish` describes; or ``publish``
-        (the insert with its NOTIFY) where that split does not apply: with asynchronous
-        commits, or inside a transaction (:meth:`publish_many`'s)."""
-        if not self._notify_after_commit:
-            return self.execute_direct("publish", params)
-        with self._busy_lock:
-            conn = self.conn
-            if conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
-                return self.execute_direct("publish", params)
-            with exceptions.translating(url_for_messages=self._masked_url):
-                first = (self._statement("insert_message"), params)
-                then = (self._statement("announce"), params)
-                inserted, announced = run_then(conn, first, then)
-        if announced.status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
-            # The message is committed: raising would make the caller publish it again.
-            logger.warning(
-                "a publish's NOTIFY failed (consumers find the message at their next poll): %s",
-                (announced.get_error_message() or "").strip(),
-                extra={"action": "announce_failed"},
-            )
-        return _text_rows(inserted)
+        """Insert one message into its queue; returns its id. On the store's own connection it
+        is committed when this returns, and its NOTIFY follows in a transaction of its own,
+        sent right behind the insert's in the same round trip (:meth:`_notify_placement`)."""
+        return self._publish_chunk((message,))[0]
 
     def publish_many(self, messages: Sequence[NewMessage]) -> list[int]:
         """Insert ``messages`` with as few statements as their size allows, all or none.
 
         One statement per ``PUBLISH_MANY_CHUNK`` messages (or about 16 MB of payload); more
-        than one run inside one transaction, so a failure writes nothing. Returns the ids.
+        than one run inside one transaction (the caller's, on a caller's connection), so a
+        failure writes nothing. Returns the ids.
         """
         chunks = publish_chunks(messages)
         if len(chunks) <= 1:
             return [i for chunk in chunks for i in self._publish_chunk(chunk)]
-        with self._busy_lock, self.conn.transaction():
+        with self.executor.transaction():
             return [i for chunk in chunks for i in self._publish_chunk(chunk)]
 
     def publish_stream(self, messages: Iterable[NewMessage]) -> list[int]:
@@ -375,26 +304,97 @@ class Store:
         ``PUBLISH_STREAM_CHUNK`` messages, their statement is sent down a pipeline and the next
         ones are built while the server inserts these. One transaction, all or none: an error
         raised by the generator or by the server rolls back every chunk already sent. Returns
-        the ids in order.
+        the ids in order. Without a pipeline (libpq < 14, a caller's connection), as
+        :meth:`publish_many`.
         """
-        if not psycopg.Pipeline.is_supported():  # libpq < 14
+        pipeline = self.executor.pipeline()
+        if pipeline is None:
             return self.publish_many(list(messages))
-        query = self.q["publish_many"]
-        cursors = []
-        with exceptions.translating(url_for_messages=self._masked_url), self._busy_lock:
-            conn = self.conn
-            with conn.pipeline(), conn.transaction():
+        fetches = []
+        with exceptions.translating(url_for_messages=self._where):
+            with pipeline as send:
+                # Inside the pipeline's transaction: the rule puts the NOTIFY in the insert.
+                insert, _, wakes = self._notify_placement(_MANY_ROWS)
                 for chunk in stream_chunks(messages):
-                    cursor = conn.cursor()
-                    cursor.execute(query, {**_many_params(chunk), **self._channels})
-                    cursors.append(cursor)
-            return [int(r[0]) for cursor in cursors for r in cursor.fetchall()]
+                    fetches.append(send(self.q[insert], {**_many_params(chunk), **self._channels}))
+                    if wakes is not None:
+                        for m in chunk:
+                            wakes.add(m.queue, m.status, m.run_at)
+            return [int(r[0]) for fetch in fetches for r in fetch()]
 
-    def _publish_chunk(
-        self, messages: Sequence[NewMessage], statement: str = "publish_many"
-    ) -> list[int]:
-        params = {**_many_params(messages), **self._channels}
-        return [int(r[0]) for r in self.execute(statement, params)]
+    def _publish_chunk(self, messages: Sequence[NewMessage]) -> list[int]:
+        """Insert ``messages`` with one statement and wake their consumers; returns their ids
+        in order. Every publish but :meth:`publish_stream`'s pipeline and
+        :meth:`publish_routed` writes through here: one message with the single-row
+        statements, several (a chunk of :meth:`publish_many`) with the multi-row ones, the
+        NOTIFY where :meth:`_notify_placement` puts it."""
+        one = len(messages) == 1
+        params: dict[str, Any] = messages[0].params() if one else _many_params(messages)
+        params.update(self._channels)
+        executor = self.executor
+        with executor.exclusive(), exceptions.translating(url_for_messages=self._where):
+            insert, announce, wakes = self._notify_placement(_ONE_ROW if one else _MANY_ROWS)
+            if announce is None:
+                rows = executor.run_direct(insert, self.q[insert], params)
+            else:
+                if not one:
+                    params.update(_owed(messages))
+                rows, failure = executor.run_then(
+                    (insert, self.q[insert], params), (announce, self.q[announce], params)
+                )
+                if failure is not None:
+                    # The messages are committed: raising would make the caller publish again.
+                    logger.warning(
+                        "a publish's NOTIFY failed (consumers find the message at their next "
+                        "poll): %s",
+                        failure,
+                        extra={"action": "announce_failed"},
+                    )
+        if wakes is not None:
+            for m in messages:
+                wakes.add(m.queue, m.status, m.run_at)
+        return [int(r[0]) for r in rows]
+
+    def _notify_placement(self, inserts: _Inserts) -> _Placement:
+        """Where the NOTIFY that wakes the consumers of an insert goes, and so which of
+        ``inserts`` (the insert with its NOTIFY, the insert alone, the NOTIFY alone) run:
+        the one rule for every insert of :meth:`publish`, :meth:`publish_many` and
+        :meth:`publish_stream`, on either executor.
+
+        1. After the commit, where the insert lands in a caller's transaction that has an
+           after-commit hook (:meth:`Executor.wakes`): the insert goes without its NOTIFY,
+           and the transaction's NOTIFYs are sent in one statement once it has committed.
+        2. In a transaction of its own right behind the insert's, in the same round trip,
+           where the insert is a transaction of its own whose commit waits for a WAL flush
+           (:meth:`Executor.flushes_alone`: the store's own connection in autocommit, outside
+           any transaction, with synchronous commits).
+        3. Inside the insert's transaction otherwise, where it is sent at that transaction's
+           commit and dropped by its rollback: a transaction of several statements of the
+           store's own (:meth:`publish_many` above one chunk, :meth:`publish_stream`) or one
+           opened on its connection by someone else, asynchronous commits (no flush to wait
+           for), a caller's transaction without an after-commit hook. And always with
+           ``notify_after_commit`` off.
+
+        PostgreSQL takes one lock for the whole cluster when a transaction that notified
+        commits, and holds it until the commit's WAL is flushed (and confirmed by a
+        synchronous standby): with the NOTIFY inside, only one durable insert in the cluster
+        commits at a time, whatever the number of publishers. A transaction that only
+        notifies writes no WAL and holds that lock briefly. Nothing is lost if the NOTIFY
+        never comes (the connection dies between the two, the process right after the
+        caller's commit): consumers find the rows at their next poll. 1 and 2 take a transaction id
+        more (2: per insert; 1: per caller's transaction).
+
+        :meth:`publish_routed` keeps its NOTIFY in its statement: the queues it wakes are
+        known only once it ran. Asked under :meth:`Executor.exclusive`, so that the session
+        stays as the answer found it until the chosen statement has run.
+        """
+        if self._notify_after_commit:
+            wakes = self.executor.wakes(self._announce_owed)
+            if wakes is not None:
+                return _Placement(inserts.quiet, None, wakes)
+            if self.executor.flushes_alone():
+                return inserts.behind
+        return inserts.inside
 
     def publish_routed(
         self, message: NewMessage, *, exchange: str, routing_key: str, queues: Sequence[str]
@@ -404,7 +404,8 @@ class Store:
         The targets are the bindings stored by every process (fanout: all of them; topic: the
         ones whose pattern matches; direct: equal routing key) plus ``queues`` (the ones this
         process bound in memory), minus queues whose ``x-expires`` ran out. One statement, so
-        one round trip whatever the number of targets. Returns the queues written to.
+        one round trip whatever the number of targets, which wakes the consumers of every
+        queue written to. Returns the queues written to.
         """
         params = message.params()
         params.update(self._channels)
@@ -737,15 +738,6 @@ PUBLISH_MANY_CHUNK = 5_000
 PUBLISH_MANY_BYTES = 16 * 1024 * 1024
 
 
-def _text_rows(res: pq.abc.PGresult) -> list[tuple[str | None, ...]]:
-    """A libpq text-format result as rows of strings (None for NULL)."""
-    value = res.get_value
-    return [
-        tuple(None if (v := value(i, j)) is None else v.decode() for j in range(res.nfields))
-        for i in range(res.ntuples)
-    ]
-
-
 def publish_chunks(messages: Sequence[NewMessage]) -> list[Sequence[NewMessage]]:
     """``messages`` split into the chunks ``publish_many`` writes with one statement each."""
     chunks: list[Sequence[NewMessage]] = []
@@ -813,6 +805,20 @@ def _many_params(messages: Sequence[NewMessage]) -> dict[str, str]:
             "nothing was written"
         )
     return {"rows": "[" + ",".join(parts) + "]", "payloads": payloads}
+
+
+def _owed(messages: Sequence[NewMessage]) -> dict[str, Any]:
+    """The parameters of ``announce_many`` for ``messages``: the queues that got a pending
+    message, each once in the order first written, and the earliest due time of the
+    scheduled ones (``None`` if none)."""
+    queues: dict[str, None] = {}
+    due: datetime | None = None
+    for m in messages:
+        if m.status == "pending":
+            queues[m.queue] = None
+        elif m.run_at is not None and (due is None or m.run_at < due):
+            due = m.run_at
+    return {"queues": list(queues), "run_at": due}
 
 
 def _split(tags: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:

@@ -222,7 +222,8 @@ def test_wheel_ships_every_module_the_migrations_and_sql(tmp_path: Path) -> None
     # The demo starts its throwaway cluster from the installed package.
     assert "kombu_pgskip/testing/embedded.py" in names
     assert "kombu_pgskip/migrations/0001_initial.sql" in names
-    assert "kombu_pgskip/sql/queries.sql" in names
+    for runtime in ("publish", "consume", "queues", "maintenance"):
+        assert f"kombu_pgskip/sql/{runtime}.sql" in names
     assert "kombu_pgskip/py.typed" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "pgskip = kombu_pgskip.cli:pgskip" in zipfile.ZipFile(wheel).read(entry_points).decode()

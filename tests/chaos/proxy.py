@@ -31,7 +31,7 @@ _GSSENC_REQUEST = 80877104
 def statement_kinds(sql: str) -> tuple[str, ...]:
     """What broker statement ``sql`` does: ``fetch``, ``ack``, both (``ack_fetch``, which
     writes the acks queued since the last fetch and fetches in one statement), or neither
-    (see queries.sql)."""
+    (see sql/consume.sql)."""
     kinds: tuple[str, ...] = ()
     if "SET status = 'running'" in sql:
         kinds += ("fetch",)

@@ -231,6 +231,41 @@ def test_transaction_ids_per_publish(
         store.close()
 
 
+@pytest.mark.parametrize("after_commit", [True, False], ids=["after-commit", "in-transaction"])
+def test_a_publish_many_waiting_for_its_commit_lets_others_notify(
+    private_url: str, after_commit: bool
+) -> None:
+    """One statement's worth of messages follows the rule of a single publish: with
+    ``notify_after_commit``, its NOTIFYs go in a transaction of their own right behind the
+    insert's (two transaction ids), so its commit does not hold the NOTIFY lock."""
+    store = Store(private_url, notify_after_commit=after_commit)
+    listener = _listener(private_url)
+    store.publish_many([_row("warm")])
+    assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["warm"]
+    published: list[Any] = []
+    try:
+        (before,) = store.conn.execute("SELECT txid_current()").fetchone() or (0,)
+        store.publish_many([_row("warm"), _row("warm")])
+        (after,) = store.conn.execute("SELECT txid_current()").fetchone() or (0,)
+        assert after - before - 1 == (2 if after_commit else 1)
+        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["warm"]
+        _while_a_commit_waits_for_the_standby(
+            private_url,
+            lambda: published.append(
+                store.publish_many([_row("slow-a"), _row("slow-b"), _row("slow-a")])
+            ),
+            store.conn.info.backend_pid,
+            others_blocked=not after_commit,
+            sessions=[store.conn],
+        )
+        assert len(published) == 1 and len(published[0]) == 3
+        woken = [n.payload for n in listener.notifies(timeout=2, stop_after=2)]
+        assert sorted(woken) == ["slow-a", "slow-b"]
+    finally:
+        listener.close()
+        store.close()
+
+
 def test_a_publish_inside_a_transaction_notifies_at_its_commit(db_url: str) -> None:
     store = Store(db_url)
     listener = _listener(db_url)

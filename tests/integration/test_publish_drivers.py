@@ -20,8 +20,9 @@ from kombu_pgskip import (
     apply_async_in,
     send_task_in,
 )
-from kombu_pgskip.adapters import adapt
-from kombu_pgskip.publish import _CallerStore
+from kombu_pgskip.adapters import Query, adapt
+from kombu_pgskip.executor import CallerConnection
+from kombu_pgskip.store import Store
 from tests.publish_support import DRIVERS, Driver, Rollback, cloned_database, count_jobs, make_app
 
 pytestmark = pytest.mark.parametrize("driver_name", list(DRIVERS))
@@ -116,7 +117,7 @@ def test_store_statements_with_uuid_and_array_parameters_run_on_the_connection(
     consumer = uuid.uuid4()
     with driver.transaction() as conn:
         tid = apply_async_in(conn, app.tasks["txn.add"], args=(1, 2), queue=queue).id
-        store = _CallerStore(adapt(conn), schema="pgskip")
+        store = Store.on(CallerConnection(adapt(conn), schema="pgskip"))
         assert store.size(queue) == 1
         fetched = store.fetch([queue, "no-such-queue"], 5, consumer)  # text[] and uuid
         assert [row.payload["headers"]["id"] for row in fetched] == [tid]
@@ -130,7 +131,6 @@ def test_a_routed_publish_runs_through_the_connection(
 ) -> None:
     """publish_routed runs through the adapter, inside the caller's transaction, every time."""
     from kombu_pgskip.envelope import to_routed_row
-    from kombu_pgskip.store import Store
 
     name = f"ex-{uuid.uuid4().hex[:8]}"
     owner = Store(shared_db)
@@ -141,15 +141,17 @@ def test_a_routed_publish_runs_through_the_connection(
     message = {"body": "{}", "headers": {}, "properties": {"delivery_info": {}}}
     row = to_routed_row(name, message, eta_threshold=60, max_message_size=10**6)
     with driver.transaction() as conn:
-        store = _CallerStore(adapt(conn), schema="pgskip")
+        adapter = adapt(conn)
+        store = Store.on(CallerConnection(adapter, schema="pgskip"))
         ran: list[str] = []
-        execute = store.execute
+        run = adapter.run
 
-        def recording(statement: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-            ran.append(statement)
-            return execute(statement, params)
+        def recording(query: Query, text: str, params: Any) -> list[tuple[Any, ...]]:
+            # Which runtime statement the adapter was given.
+            ran.append(next((n for n, q in store.q.items() if q is query), text))
+            return run(query, text, params)
 
-        store.execute = recording  # type: ignore[method-assign]
+        adapter.run = recording  # type: ignore[method-assign]
         for _ in range(3):
             assert store.publish_routed(row, exchange=name, routing_key="k", queues=[]) == [name]
         assert ran == ["publish_routed"] * 3

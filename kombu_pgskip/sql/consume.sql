@@ -1,0 +1,187 @@
+-- Runtime SQL of kombu-pgskip, as named blocks: "-- name: one-line description" (sql/__init__.py).
+-- {schema} is replaced by the quoted schema identifier; values are always bound parameters.
+-- {@name} includes the block of that name, from any of the runtime files.
+-- Consuming: the fetch (due messages locked with SKIP LOCKED, marked running under a consumer
+-- with a fresh delivery token), acks, requeues and rejects, and the consumers' leases.
+-- Every transition out of 'running' is fenced by (locked_by, delivery): a consumer whose lease
+-- was taken away, or an ack of an earlier delivery of the same message, changes nothing.
+
+-- due: (fragment, included as {@due}) up to limit due messages of the given queues, locked, round-robin across queues in delivery order, and only while the payloads before a message total less than max_bytes (so the first one is always taken, however large); budget_full is true on the last one when the budget left a due message behind. Rows locked here but not taken stay pending when the statement ends
+-- Payload bytes: pg_column_size reads only the varlena header or the TOAST pointer, and for a
+-- value stored uncompressed that is its length (to within a header of at most 4 bytes). A
+-- compressed value's header holds its raw length too, but no function over json reads it: json
+-- has no binary-coercible cast to text (pg_cast has no json -> text row, so payload::text is an
+-- I/O conversion, json_out then textin, which detoasts and copies the whole value twice: 4 ms
+-- for 8 MB), and pg_column_size of a compressed value is what it takes on disk, a fraction of
+-- what the worker receives. So only compressed values are measured through the cast, and only
+-- as far as the budget goes: past only grows, and a window function that only grows compared
+-- with a constant is a run condition (PostgreSQL 15), which stops the WindowAgg at the first
+-- message past the budget. The sizes are then computed for the messages taken and one more
+-- (which the stop reads ahead), not for every message locked.
+SELECT b.id, b.priority, b.rn, coalesce(b.next_before >= %(max_bytes)s::bigint, false) AS budget_full
+  FROM (SELECT s.id, s.priority, s.rn,
+               count(*) FILTER (WHERE s.bytes_before >= %(max_bytes)s::bigint) OVER w AS past,
+               lead(s.bytes_before) OVER w AS next_before
+          FROM (SELECT c.id, c.priority, c.rn,
+                       sum(CASE WHEN c.packed IS NULL THEN c.stored
+                                ELSE octet_length(c.packed::text) END)
+                           OVER (ORDER BY c.priority DESC, c.rn, c.id
+                                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS bytes_before
+                  FROM (SELECT x.id, x.priority, x.stored, x.packed,
+                               row_number() OVER (PARTITION BY x.queue ORDER BY x.priority DESC, x.run_at, x.id) AS rn
+                          FROM unnest(%(queues)s::text[]) AS q(name)
+                          CROSS JOIN LATERAL (
+                                SELECT id, queue, priority, run_at, pg_column_size(payload) AS stored,
+                                       CASE WHEN pg_column_compression(payload) IS NOT NULL
+                                            THEN payload END AS packed
+                                  FROM {schema}.jobs
+                                 WHERE jobs.queue = q.name
+                                   AND status = 'pending'
+                                   AND run_at <= now()
+                                   AND (expires_at IS NULL OR expires_at > now())
+                                 ORDER BY priority DESC, run_at, id
+                                 LIMIT %(limit)s
+                                   FOR UPDATE SKIP LOCKED
+                          ) AS x
+                         -- id last: a total order, which the running sum above follows
+                         ORDER BY x.priority DESC, rn, x.id
+                         LIMIT %(limit)s) AS c) AS s
+        WINDOW w AS (ORDER BY s.priority DESC, s.rn, s.id ROWS UNBOUNDED PRECEDING)) AS b
+ -- <= 0, not = 0: PostgreSQL applies it as the run condition alone and still estimates limit
+ -- rows here; an equality stays a filter too, estimated to let one row in 200 through, and take
+ -- then joins the rows to jobs by a nested loop (5 ms instead of 1 for 100 messages).
+ WHERE b.past <= 0
+
+-- take: (fragment, included as {@take} after a CTE named picked) mark the picked rows running under the consumer and stamp this delivery's token; returns what a consumer needs; the rows are looked up by id (= ANY), which a generic plan, estimating a tenth of the table for an unknown LIMIT, would otherwise hash-join by scanning the whole table
+-- The token (delivery, migration 0013) fences every transition out of this delivery
+-- (ack_fence, requeue, fail): the id of the transaction taking the row, 64 bits with its epoch
+-- and never reused, so no other delivery of the row carries it, whereas attempts (reset by
+-- retry-failed) and locked_by (a consumer keeps its id when it registers again) can repeat.
+-- Every fetch of the transport is a transaction of its own, which takes a row at most once.
+UPDATE {schema}.jobs AS jobs
+   SET status = 'running', locked_by = %(consumer)s, locked_at = now(), attempts = jobs.attempts + 1,
+       delivery = (SELECT pg_current_xact_id()::text::bigint)
+  FROM picked
+ WHERE jobs.id = picked.id
+   AND jobs.id = ANY (ARRAY(SELECT id FROM picked))
+RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts, jobs.expires_at,
+          picked.priority, picked.rn, jobs.delivery, picked.budget_full
+
+-- fetch: take up to limit due messages (and max_bytes of payload, at least one message) from the given queues, round-robin across queues, mark them running
+WITH picked AS ({@due})
+{@take};
+
+-- ack_fetch: ack delivered messages (fenced, as ack) and fetch (as fetch) in one round trip; every row starts with how many acks were still ours, and a lone row with no message says nothing was due; every row ends with whether a due message waits in one of the queues urgent (the no-ack queues of remote control and events, which the event loop fetches on their notification, the poll, or this saying so: Dispatcher._deliver_urgent), read in the fetch's own snapshot, one probe of the dequeue index per queue (ordered as that index: the generic plan, estimating that most rows match, would otherwise scan the table)
+WITH acked AS ({@ack}), {@fetch_after_ack};
+
+-- ack_delete_fetch: as ack_fetch, with the acks deleting their messages (ack_delete) instead of marking them completed: the transport option keep_completed=False
+WITH acked AS ({@ack_delete}), {@fetch_after_ack};
+
+-- fetch_after_ack: (fragment, included as {@fetch_after_ack} after a CTE named acked that returns one row per ack still ours) the fetch of ack_fetch and the row it returns
+picked AS ({@due}), taken AS ({@take})
+SELECT a.n, t.id, t.queue, t.payload, t.redelivered, t.attempts, t.expires_at, t.priority, t.rn,
+       t.delivery, t.budget_full, a.urgent
+  FROM (SELECT count(*) AS n,
+               EXISTS (SELECT 1
+                         FROM unnest(%(urgent)s::text[]) AS uq(name)
+                        CROSS JOIN LATERAL (
+                              SELECT 1
+                                FROM {schema}.jobs AS u
+                               WHERE u.queue = uq.name
+                                 AND u.status = 'pending'
+                                 AND u.run_at <= now()
+                                 AND (u.expires_at IS NULL OR u.expires_at > now())
+                               ORDER BY u.priority DESC, u.run_at, u.id
+                               LIMIT 1) AS w) AS urgent
+          FROM acked) AS a
+  LEFT JOIN taken AS t ON true
+
+-- fetch_noack: take and delete up to limit due messages (and max_bytes of payload, at least one message; no-ack consumers: remote control, events); their delivery token is 0, as nothing settles them
+WITH picked AS ({@due})
+DELETE FROM {schema}.jobs AS jobs
+ USING picked
+ WHERE jobs.id = picked.id
+RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts + 1, jobs.expires_at,
+          picked.priority, picked.rn, 0::bigint, picked.budget_full;
+
+-- ack: mark delivered messages completed (fenced); ids[k] was delivered with the token deliveries[k]. Rows are found by id and their tokens looked up in the array, not joined to unnest(): a prepared statement's generic plan, which cannot know the arrays' sizes, then still reads each row once
+UPDATE {schema}.jobs AS jobs
+   SET status = 'completed', finished_at = now(), locked_by = NULL
+ WHERE {@ack_fence}
+RETURNING jobs.id;
+
+-- ack_delete: as ack, deleting the acknowledged messages instead of marking them completed (transport option keep_completed=False: no completed rows, nothing for the prune job; one dead row version less per message, and none of a kilobyte kept for the retention period)
+DELETE FROM {schema}.jobs AS jobs
+ WHERE {@ack_fence}
+RETURNING jobs.id;
+
+-- ack_fence: (fragment, included as {@ack_fence} in the WHERE of ack and ack_delete over jobs AS jobs) the delivered messages ids[k] in the delivery that take stamped with the token deliveries[k], only while still running under consumer
+jobs.id = ANY (%(ids)s::bigint[])
+   AND jobs.delivery = (%(deliveries)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
+   AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
+
+-- requeue: return delivered messages to pending (fenced by their delivery tokens, as ack), or to failed past max_attempts deliveries
+WITH r AS (
+    UPDATE {schema}.jobs AS jobs
+       SET status = CASE WHEN jobs.attempts >= %(max_attempts)s THEN 'failed'
+                         ELSE 'pending' END::{schema}.job_status,
+           redelivered = true, locked_by = NULL, locked_at = NULL,
+           finished_at = CASE WHEN jobs.attempts >= %(max_attempts)s THEN now() END,
+           last_error = CASE WHEN jobs.attempts >= %(max_attempts)s
+                             THEN 'requeued after ' || jobs.attempts || ' deliveries (max_attempts)'
+                             ELSE jobs.last_error END
+      FROM unnest(%(ids)s::bigint[], %(deliveries)s::bigint[]) AS a(id, delivery)
+     WHERE jobs.id = a.id AND jobs.delivery = a.delivery
+       AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
+    RETURNING jobs.id, jobs.queue, jobs.status
+), n AS (
+    SELECT pg_notify(%(channel)s, d.queue)
+      FROM (SELECT DISTINCT queue FROM r WHERE status = 'pending') AS d
+)
+SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM r WHERE status = 'failed'),
+       (SELECT count(*) FROM n);
+
+-- fail: move delivered messages to failed with a reason (fenced by their delivery tokens, as ack; reject without requeue)
+UPDATE {schema}.jobs AS jobs
+   SET status = 'failed', finished_at = now(), locked_by = NULL, last_error = %(error)s
+  FROM unnest(%(ids)s::bigint[], %(deliveries)s::bigint[]) AS a(id, delivery)
+ WHERE jobs.id = a.id AND jobs.delivery = a.delivery
+   AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
+RETURNING jobs.id;
+
+-- register_consumer: create or refresh a consumer and its lease
+INSERT INTO {schema}.consumers (id, hostname, pid, queues, lease_until)
+VALUES (%(id)s, %(hostname)s, %(pid)s, %(queues)s, now() + make_interval(secs => %(lease)s))
+ON CONFLICT (id) DO UPDATE
+   SET lease_until = EXCLUDED.lease_until, heartbeat_at = now(), queues = EXCLUDED.queues;
+
+-- renew_consumers: extend the leases of live consumers and mark their expiring queues used; returns the ids still known
+WITH c AS (
+    UPDATE {schema}.consumers
+       SET lease_until = now() + make_interval(secs => %(lease)s), heartbeat_at = now()
+     WHERE id = ANY(%(ids)s::uuid[])
+    RETURNING id, queues
+), used AS (
+    UPDATE {schema}.queues SET last_used_at = now()
+     WHERE expires IS NOT NULL AND name IN (SELECT unnest(queues) FROM c)
+    RETURNING 1
+)
+SELECT id FROM c;
+
+-- unregister_consumer: a consumer leaves: what it still holds goes back to pending, its row goes
+WITH c AS (
+    DELETE FROM {schema}.consumers WHERE id = %(id)s RETURNING id, queues
+), used AS (
+    -- x-expires counts from when the queue was last used
+    UPDATE {schema}.queues SET last_used_at = now()
+     WHERE expires IS NOT NULL AND name IN (SELECT unnest(queues) FROM c)
+    RETURNING 1
+), r AS (
+    UPDATE {schema}.jobs
+       SET status = 'pending', redelivered = true, locked_by = NULL, locked_at = NULL
+     WHERE locked_by = %(id)s AND status = 'running'
+    RETURNING queue
+), n AS (
+    SELECT pg_notify(%(channel)s, d.queue) FROM (SELECT DISTINCT queue FROM r) AS d
+)
+SELECT (SELECT count(*) FROM c), (SELECT count(*) FROM r), (SELECT count(*) FROM n);

@@ -1,0 +1,131 @@
+-- Runtime SQL of kombu-pgskip, as named blocks: "-- name: one-line description" (sql/__init__.py).
+-- {schema} is replaced by the quoted schema identifier; values are always bound parameters.
+-- {@name} includes the block of that name, from any of the runtime files.
+-- Queues, exchanges and bindings: declarations (AMQP semantics: the first declaration fixes a
+-- queue's arguments), liveness, routing, sizes and deletion.
+
+-- declare_queue: create a queue, or refresh the x-expires clock of one declared with the same settings (auto_delete, x-max-priority, x-message-ttl, x-expires: AMQP fixes them at the first declaration); returns its name, and no row when the stored settings differ (nothing changed; queue_declaration reads them)
+INSERT INTO {schema}.queues AS q (name, durable, auto_delete, arguments, max_priority, message_ttl, expires)
+VALUES (%(name)s, %(durable)s, %(auto_delete)s, %(arguments)s, %(max_priority)s, %(message_ttl)s, %(expires)s)
+ON CONFLICT (name) DO UPDATE
+   SET last_used_at = now()
+ WHERE (q.auto_delete, q.max_priority, q.message_ttl, q.expires)
+       IS NOT DISTINCT FROM (EXCLUDED.auto_delete, EXCLUDED.max_priority, EXCLUDED.message_ttl, EXCLUDED.expires)
+RETURNING q.name;
+
+-- queue_declaration: the settings a queue was declared with (no row when it does not exist)
+SELECT auto_delete, max_priority, message_ttl, expires FROM {schema}.queues WHERE name = %(name)s;
+
+-- live: (fragment, included as {@live} in a condition over a row q with the columns name, expires and last_used_at of queues) whether queue q is live: it has no x-expires, was used within it, or a consumer whose lease holds consumes it (the SQL function expire_queues(), which pg_cron calls, restates it)
+(q.expires IS NULL
+ OR q.last_used_at + q.expires * interval '1 millisecond' > now()
+ OR EXISTS (SELECT 1 FROM {schema}.consumers AS c
+             WHERE q.name = ANY (c.queues) AND c.lease_until > now()))
+
+-- has_queue: is the queue declared (and not expired)
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.queues AS q
+     WHERE q.name = %(name)s
+       AND {@live}
+);
+
+-- delete_queue: drop a queue and its waiting messages; returns how many messages went
+WITH q AS (
+    DELETE FROM {schema}.queues WHERE name = %(name)s RETURNING name
+), d AS (
+    DELETE FROM {schema}.jobs WHERE queue = %(name)s AND status IN ('pending', 'scheduled')
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM q);
+
+-- delete_unused_queues: auto_delete queues whose last consumer left: drop them, their waiting messages and bindings
+WITH gone AS (
+    DELETE FROM {schema}.queues AS q
+     WHERE q.name = ANY(%(names)s::text[]) AND q.auto_delete
+       AND NOT EXISTS (SELECT 1 FROM {schema}.consumers AS c
+                        WHERE q.name = ANY (c.queues) AND c.id <> %(consumer)s
+                          AND c.lease_until > now())
+    RETURNING q.name
+), d AS (
+    DELETE FROM {schema}.jobs AS j
+     USING gone
+     WHERE j.queue = gone.name AND j.status IN ('pending', 'scheduled')
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM d);
+
+-- purge: delete every waiting (pending or scheduled) message of a queue; returns the exact count
+WITH d AS (
+    DELETE FROM {schema}.jobs WHERE queue = %(queue)s AND status IN ('pending', 'scheduled')
+    RETURNING 1
+)
+SELECT count(*) FROM d;
+
+-- size: messages ready for delivery in a queue
+SELECT count(*) FROM {schema}.jobs WHERE queue = %(queue)s AND status = 'pending';
+
+-- queue_stats: per-queue counts for operators
+SELECT queue,
+       count(*) FILTER (WHERE status = 'pending') AS pending,
+       count(*) FILTER (WHERE status = 'running') AS running,
+       count(*) FILTER (WHERE status = 'scheduled') AS scheduled,
+       count(*) FILTER (WHERE status = 'failed') AS failed,
+       extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8 AS oldest_pending_age,
+       count(*) FILTER (WHERE status = 'completed' AND finished_at > now() - interval '1 minute') AS completed_last_minute
+  FROM {schema}.jobs
+ GROUP BY queue
+ ORDER BY queue;
+
+-- matches: (fragment, included as {@matches} in a condition over a binding b of an exchange e) whether b routes routing_key: every binding of a fanout exchange, the topic bindings whose pattern matches, the direct bindings of that very key
+CASE e.type WHEN 'fanout' THEN true
+            WHEN 'topic' THEN %(routing_key)s ~ b.pattern
+            WHEN 'direct' THEN b.routing_key = %(routing_key)s
+            ELSE false END
+
+-- route: the live queues the exchange routes routing_key to, from the bindings of all processes
+SELECT b.queue
+  FROM {schema}.bindings AS b
+  JOIN {schema}.exchanges AS e ON e.name = b.exchange
+  JOIN {schema}.queues AS q ON q.name = b.queue
+ WHERE b.exchange = %(exchange)s
+   AND {@matches}
+   AND {@live}
+ ORDER BY b.queue;
+
+-- declare_exchange: create an exchange unless one of that name exists; returns its stored type (AMQP: a declaration of another type fails, and changes nothing); no row when another session created it after this statement's snapshot was taken
+WITH created AS (
+    INSERT INTO {schema}.exchanges (name, type, durable, auto_delete, arguments)
+    VALUES (%(name)s, %(type)s, %(durable)s, %(auto_delete)s, %(arguments)s)
+    ON CONFLICT (name) DO NOTHING
+    RETURNING type
+)
+SELECT type FROM created
+UNION ALL
+SELECT type FROM {schema}.exchanges WHERE name = %(name)s AND NOT EXISTS (SELECT 1 FROM created);
+
+-- exchange_type: the type of a declared exchange (no row when undeclared)
+SELECT type FROM {schema}.exchanges WHERE name = %(name)s;
+
+-- delete_exchange: drop an exchange and (by the foreign key) its bindings; returns how many exchanges went
+WITH e AS (DELETE FROM {schema}.exchanges WHERE name = %(name)s RETURNING 1)
+SELECT count(*) FROM e;
+
+-- bind: bind a queue to an exchange (creating either row if another process has not declared it yet); a binding that exists stays as it is (its pattern follows from the routing key)
+WITH e AS (
+    INSERT INTO {schema}.exchanges (name, type) VALUES (%(exchange)s, %(type)s)
+    ON CONFLICT (name) DO NOTHING
+), q AS (
+    INSERT INTO {schema}.queues (name) VALUES (%(queue)s)
+    ON CONFLICT (name) DO UPDATE SET last_used_at = now()
+)
+INSERT INTO {schema}.bindings (exchange, queue, routing_key, arguments, pattern)
+VALUES (%(exchange)s, %(queue)s, %(routing_key)s, %(arguments)s, %(pattern)s)
+ON CONFLICT (exchange, queue, routing_key) DO NOTHING;
+
+-- unbind: remove one binding
+DELETE FROM {schema}.bindings
+ WHERE exchange = %(exchange)s AND queue = %(queue)s AND routing_key = %(routing_key)s;
+
+-- exchange_table: every binding of an exchange as (routing_key, pattern, queue)
+SELECT routing_key, pattern, queue FROM {schema}.bindings WHERE exchange = %(exchange)s
+ ORDER BY queue, routing_key;
