@@ -20,6 +20,7 @@ from .exceptions import (
     MessageTooLarge,
     NotAConnection,
     PermissionDenied,
+    PersistentDatabaseError,
     PgSkipError,
     PreconditionFailed,
     SchemaError,
@@ -27,6 +28,7 @@ from .exceptions import (
     SchemaOutdated,
     TransactionAborted,
     TransactionalEnqueueError,
+    TransientDatabaseError,
     UnsupportedCanvas,
 )
 from .migrate import migrate
@@ -56,6 +58,7 @@ __all__ = [
     "MessageTooLarge",
     "NotAConnection",
     "PermissionDenied",
+    "PersistentDatabaseError",
     "PgSkipError",
     "PreconditionFailed",
     "SchemaError",
@@ -63,6 +66,7 @@ __all__ = [
     "SchemaOutdated",
     "TransactionAborted",
     "TransactionalEnqueueError",
+    "TransientDatabaseError",
     "UnsupportedCanvas",
     "apply_async_in",
     "apply_many",

@@ -43,7 +43,7 @@ class AckBatcher:
         self.consumer_id = consumer_id
         self._lock = threading.Lock()
         self._pending: list[Pair] = []
-        self._in_flight = 0  # acks sent with the fetch whose reply has not arrived
+        self._in_flight: list[Pair] = []  # sent with the fetch whose reply has not arrived
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -82,13 +82,22 @@ class AckBatcher:
         return len(pairs)
 
     def sent_with_fetch(self, pairs: list[Pair]) -> None:
-        """``pairs`` went out with a fetch whose reply comes later (:meth:`fetch_returned`)."""
-        self._in_flight = len(pairs)
+        """``pairs`` went out with a fetch whose reply comes later: :meth:`fetch_returned`,
+        or :meth:`fetch_failed`."""
+        self._in_flight = pairs
 
     def fetch_returned(self, done: int) -> None:
         """The reply of the fetch that carried the acks: ``done`` were still this consumer's."""
-        sent, self._in_flight = self._in_flight, 0
-        self.written(sent, done)
+        sent, self._in_flight = self._in_flight, []
+        self.written(len(sent), done)
+
+    def fetch_failed(self) -> None:
+        """The fetch that carried the acks failed, or its connection was lost before its
+        reply: queue them again for the next statement. Had the fetch committed after all,
+        writing them again changes nothing."""
+        with self._lock:
+            sent, self._in_flight = self._in_flight, []
+            self._pending[:0] = sent
 
     def written(self, sent: int, done: int) -> None:
         if done < sent:

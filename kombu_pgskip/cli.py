@@ -25,7 +25,7 @@ from typing import Any
 import click
 
 from . import exceptions
-from .migrate import DEFAULT_SCHEMA, migrate
+from .migrate import DEFAULT_LOCK_TIMEOUT, DEFAULT_RETRIES, DEFAULT_SCHEMA, migrate
 from .store import Store
 from .urls import mask_url
 
@@ -53,9 +53,24 @@ def _fail(exc: BaseException) -> None:
     sys.exit(1)
 
 
-def do_migrate(target: Target, dry_run: bool) -> None:
+def do_migrate(
+    target: Target,
+    dry_run: bool,
+    plan: bool = False,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    retries: int = DEFAULT_RETRIES,
+) -> None:
+    if plan:
+        do_migrate_plan(target, lock_timeout, retries)
+        return
     try:
-        result = migrate(target.url, schema=target.schema, dry_run=dry_run)
+        result = migrate(
+            target.url,
+            schema=target.schema,
+            dry_run=dry_run,
+            lock_timeout=lock_timeout,
+            retries=retries,
+        )
     except exceptions.PgSkipError as exc:
         _fail(exc)
         return
@@ -72,10 +87,28 @@ def do_migrate(target: Target, dry_run: bool) -> None:
         click.echo(f"{where}: applied {label}")
 
 
+def do_migrate_plan(target: Target, lock_timeout: float, retries: int) -> None:
+    """What ``migrate`` would run, the locks each statement takes, and whether the code running
+    against the database stays compatible; changes nothing."""
+    from .migrate import plan
+
+    try:
+        result = plan(target.url, schema=target.schema, lock_timeout=lock_timeout, retries=retries)
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    click.echo(f"{mask_url(target.url)}: the plan (nothing is changed)")
+    for line in result.lines():
+        click.echo(line)
+
+
 def do_status(target: Target) -> None:
+    from .migrate import latest_version, schema_window
+
     store = Store(target.url, schema=target.schema)
     try:
         rows = store.queue_stats()
+        oldest, current = schema_window(target.url, target.schema)
     except exceptions.PgSkipError as exc:
         _fail(exc)
         return
@@ -100,6 +133,11 @@ def do_status(target: Target) -> None:
         click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
     if not table:
         click.echo("(no messages)")
+    span = f"{oldest:04d}" if oldest >= current else f"{oldest:04d} to {current:04d}"
+    click.echo(
+        f"schema {target.schema!r} at version {current:04d}: code built for schema {span} runs "
+        f"against it; this kombu-pgskip is built for {latest_version():04d}"
+    )
 
 
 def do_grant(target: Target, workers: list[str], publishers: list[str], dry_run: bool) -> None:
@@ -515,14 +553,48 @@ def _maintenance_config(app: Any, options: dict[str, Any]) -> Any:
 
 @pgskip.command(name="migrate")
 @click.option("--dry-run", is_flag=True, help="Print the SQL that would run; change nothing.")
+@click.option(
+    "--plan",
+    "show_plan",
+    is_flag=True,
+    help="List each pending migration with the locks its statements take and whether running "
+    "code stays compatible; change nothing.",
+)
+@click.option(
+    "--lock-timeout",
+    type=click.FloatRange(min=0.001),
+    default=DEFAULT_LOCK_TIMEOUT,
+    show_default=True,
+    help="Seconds a statement waits for a lock before its migration is rolled back and retried.",
+)
+@click.option(
+    "--retries",
+    type=click.IntRange(min=0),
+    default=DEFAULT_RETRIES,
+    show_default=True,
+    help="Retries of a migration whose lock was not granted (with a growing pause between).",
+)
 @_url_option
 @_schema_option
 @click.pass_context
-def migrate_cmd(ctx: click.Context, dry_run: bool, url: str | None, schema: str | None) -> None:
+def migrate_cmd(
+    ctx: click.Context,
+    dry_run: bool,
+    show_plan: bool,
+    lock_timeout: float,
+    retries: int,
+    url: str | None,
+    schema: str | None,
+) -> None:
     """Install or upgrade the schema.
 
-    Idempotent, and safe to run concurrently: the migrations run under an advisory lock."""
-    do_migrate(_target(ctx, url, schema), dry_run)
+    Each migration in a transaction of its own, whose statements wait at most --lock-timeout for
+    a lock; idempotent, and safe to run concurrently (an advisory lock). With a release whose
+    migrations keep running code compatible (see --plan), migrate first, then roll the code out
+    (docs/operations.md, "Migrations and rolling deploys")."""
+    if dry_run and show_plan:
+        raise click.UsageError("--dry-run and --plan: choose one", ctx)
+    do_migrate(_target(ctx, url, schema), dry_run, show_plan, lock_timeout, retries)
 
 
 @pgskip.command(name="status")
@@ -530,9 +602,10 @@ def migrate_cmd(ctx: click.Context, dry_run: bool, url: str | None, schema: str 
 @_schema_option
 @click.pass_context
 def status_cmd(ctx: click.Context, url: str | None, schema: str | None) -> None:
-    """Per-queue counts.
+    """Per-queue counts, and the schema's version.
 
-    A table per queue: pending, running, scheduled, failed, oldest pending, done per minute."""
+    A table per queue: pending, running, scheduled, failed, oldest pending, done per minute;
+    then the schema's version and the code versions that run against it."""
     do_status(_target(ctx, url, schema))
 
 

@@ -23,8 +23,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import psycopg
-
 from . import policy as fetch_policy
 from .envelope import decode_problem, make_tag, to_message
 from .policy import FetchPolicy, Next, Wake
@@ -251,7 +249,7 @@ class Dispatcher:
             return
         try:
             queues, scheduled = self._read_notifications()
-        except psycopg.Error:
+        except Exception:
             # The server went away: stop watching the dead socket; the error reaches Celery,
             # which reconnects (and registers this transport with its loop again).
             self.leave_loop()
@@ -275,12 +273,15 @@ class Dispatcher:
             return
         try:
             result = fetcher.poll()
-        except psycopg.Error:
-            # The connection went away: as with the LISTEN socket, stop watching and let the
-            # error reach Celery, which reconnects. The rows of a lost fetch, if it ran, are
-            # returned with this consumer's lease.
+        except Exception:
+            # The fetch failed or its connection went away: as with the LISTEN socket, stop
+            # watching and let the error reach Celery, which reconnects. The acks it carried
+            # are queued again; the rows of a lost fetch, if it ran, return with this
+            # consumer's lease.
+            channel.acks.fetch_failed()
             self.poller.unwatch(fetcher)
             channel.fetcher = None
+            fetcher.close()
             self.leave_loop()
             raise
         if result is None:
@@ -423,8 +424,13 @@ class Dispatcher:
         return out
 
     def _wait_fetch(self, channel: Channel, fetcher: AsyncFetcher) -> list[FetchedRow]:
-        """Wait for the fetch in flight (outside an event loop, or at close); its rows."""
-        result = fetcher.wait()
+        """Wait for the fetch in flight (outside an event loop, or at close); its rows. If it
+        fails, the acks it carried are queued again."""
+        try:
+            result = fetcher.wait()
+        except BaseException:
+            channel.acks.fetch_failed()
+            raise
         return [] if result is None else self._fetched(channel, result)
 
     def _fetched(

@@ -152,6 +152,11 @@ class OwnConnection(Executor):
     (:meth:`exclusive`) is held for every statement and across every transaction of several
     statements (:meth:`transaction`, :meth:`pipeline`): another thread's statement waits for
     that transaction to end instead of running inside it.
+
+    Every error of its statements is classified by SQLSTATE
+    (:func:`~kombu_pgskip.exceptions.classify`): those that pass raise a
+    :class:`~kombu_pgskip.exceptions.TransientDatabaseError`, which kombu retries after
+    reconnecting; the rest an error that kombu does not retry.
     """
 
     def __init__(
@@ -187,6 +192,9 @@ class OwnConnection(Executor):
         # not prepare either.
         self._direct: dict[str, Statement] = {}
         self._prepared = connect_kwargs.get("prepare_threshold", 5) is not None
+        # Around every statement: server errors classified by SQLSTATE (exceptions.classify),
+        # so that those that pass reach kombu as connection errors and the others do not.
+        self._classifying = exceptions.classifying(url_for_messages=self.where)
 
     def __repr__(self) -> str:
         return f"<OwnConnection {self.where}>"
@@ -223,7 +231,8 @@ class OwnConnection(Executor):
         conn = connect(self.url, **self._connect_kwargs)
         try:
             if self._asynchronous_commit:
-                conn.execute("SET synchronous_commit TO off")
+                with self._classifying:
+                    conn.execute("SET synchronous_commit TO off")
             self._ensure_schema(conn)
         except BaseException:
             conn.close()
@@ -265,14 +274,14 @@ class OwnConnection(Executor):
             logger.debug("error closing connection", exc_info=True)
 
     def run(self, query: Query, params: Params) -> Rows:
-        with self.exclusive():
+        with self._classifying, self.exclusive():
             cur = self.conn.execute(query, params)
             return cur.fetchall() if cur.description is not None else []
 
     def run_direct(self, name: str, query: Query, params: Params) -> Rows:
         """Through libpq: psycopg's own overhead is a measurable share of the time of the
         statements run once per message. The values come back as text."""
-        with self.exclusive():
+        with self._classifying, self.exclusive():
             res = self._statement(name, query).run(self.conn, params)
         return text_rows(res)
 
@@ -294,7 +303,7 @@ class OwnConnection(Executor):
         )
 
     def run_then(self, first: Step, then: Step) -> tuple[Rows, str | None]:
-        with self.exclusive():
+        with self._classifying, self.exclusive():
             inserted, announced = run_then(
                 self.conn,
                 (self._statement(first[0], first[1]), first[2]),
@@ -307,7 +316,7 @@ class OwnConnection(Executor):
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        with self.exclusive(), self.conn.transaction():
+        with self._classifying, self.exclusive(), self.conn.transaction():
             self._blocks += 1
             try:
                 yield
@@ -322,7 +331,7 @@ class OwnConnection(Executor):
 
     @contextmanager
     def _pipeline(self) -> Iterator[Send]:
-        with self.exclusive():
+        with self._classifying, self.exclusive():
             conn = self.conn
             with conn.pipeline(), conn.transaction():
                 self._blocks += 1

@@ -23,10 +23,11 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
-from .libpq import array_literal, connection_error, positional
+from . import exceptions
+from .libpq import array_literal, positional, result_error
 from .sql import queries_for
 from .store import FETCH_MAX_BYTES, FetchedRow, fetched_rows
-from .urls import connect
+from .urls import connect, mask_url
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,12 @@ class AsyncFetcher:
 
     :meth:`send` writes the statement and returns; the caller watches :meth:`fileno` and calls
     :meth:`poll` when it is readable until it returns the result. Errors surface from
-    :meth:`send` or :meth:`poll` as psycopg exceptions (a lost connection is an
-    ``OperationalError``, which kombu and Celery recover from by reconnecting).
+    :meth:`send`, :meth:`poll` and :meth:`wait` classified by SQLSTATE
+    (:func:`~kombu_pgskip.exceptions.classify`): a lost connection, a canceled statement, a
+    lock or statement timeout, a deadlock, a server shutting down are a
+    :class:`~kombu_pgskip.exceptions.TransientDatabaseError`, an ``OperationalError``, which
+    kombu and Celery recover from by reconnecting; other server errors are not retried. After
+    any error the connection is closed: the next fetch opens a new one.
     """
 
     def __init__(
@@ -61,6 +66,8 @@ class AsyncFetcher:
         self._asynchronous_commit = asynchronous_commit
         self._prepared = prepared
         self._connect_kwargs = connect_kwargs  # for urls.connect
+        self._where = mask_url(url)
+        self._classifying = exceptions.classifying(url_for_messages=self._where)
         self._conn: psycopg.Connection[Any] | None = None
         self._pid = os.getpid()
         self._sent: int | None = None  # the limit of the fetch in flight
@@ -79,32 +86,38 @@ class AsyncFetcher:
         return self._sent is not None
 
     def _pgconn(self) -> pq.abc.PGconn:
+        return self._connection().pgconn
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        """The fetch connection, opened (and set up) if need be."""
         if self._pid != os.getpid():
             self._conn, self._sent, self._pid = None, None, os.getpid()  # not ours to use
         conn = self._conn
         if conn is None or conn.closed:
             conn = connect(self.url, **self._connect_kwargs)
             try:
-                if self._asynchronous_commit:
-                    conn.execute("SET synchronous_commit TO off")
-                if self._prepared:
-                    # ack_fetch only ever runs here. Left to choose, PostgreSQL plans it afresh
-                    # on every execution (its generic plan is estimated for a LIMIT of a tenth
-                    # of the table): a few hundred microseconds of server CPU per fetch. Its
-                    # generic plan walks the same indexes (docs/performance.md).
-                    conn.execute("SET plan_cache_mode TO force_generic_plan")
-                    res = conn.pgconn.prepare(self._statement, self._query)
-                    if res.status != pq.ExecStatus.COMMAND_OK:
-                        message = res.get_error_message()
-                        raise connection_error(
-                            conn.pgconn, f"cannot prepare the fetch statement: {message}"
-                        )
+                self._set_up(conn)
             except BaseException:
                 conn.close()
                 raise
             self._conn = conn
             self._sent = None
-        return conn.pgconn
+        return conn
+
+    def _set_up(self, conn: psycopg.Connection[Any]) -> None:
+        """The session's settings, and the fetch statement prepared."""
+        with self._classifying:
+            if self._asynchronous_commit:
+                conn.execute("SET synchronous_commit TO off")
+            if self._prepared:
+                # ack_fetch only ever runs here. Left to choose, PostgreSQL plans it afresh on
+                # every execution (its generic plan is estimated for a LIMIT of a tenth of the
+                # table): a few hundred microseconds of server CPU per fetch. Its generic plan
+                # walks the same indexes (docs/performance.md).
+                conn.execute("SET plan_cache_mode TO force_generic_plan")
+                res = conn.pgconn.prepare(self._statement, self._query)
+                if res.status != pq.ExecStatus.COMMAND_OK:
+                    raise result_error(conn, res, url_for_messages=self._where)
 
     def fileno(self) -> int:
         return self._pgconn().socket
@@ -132,36 +145,43 @@ class AsyncFetcher:
             "consumer": str(consumer).encode(),
             "urgent": array_literal(list(urgent)),
         }
+        params = [values[n] for n in self._order]
         try:
-            params = [values[n] for n in self._order]
-            if self._prepared:
-                pgconn.send_query_prepared(self._statement, params)
-            else:
-                pgconn.send_query_params(self._query, params)
-            while pgconn.flush():  # 1 while data remains to be sent: rare for a small query
-                select.select([], [pgconn.socket], [], 1.0)
-        except psycopg.OperationalError:
-            self._drop()
+            with self._classifying:
+                if self._prepared:
+                    pgconn.send_query_prepared(self._statement, params)
+                else:
+                    pgconn.send_query_params(self._query, params)
+                while pgconn.flush():  # 1 while data remains to be sent: rare for a small query
+                    select.select([], [pgconn.socket], [], 1.0)
+        except BaseException:
+            self._drop()  # its state unknown: the next fetch opens a new connection
             raise
         self._sent = limit
 
     def poll(self) -> tuple[int, list[FetchedRow], int] | None:
-        """None while the result has not arrived; else (acks still ours, rows, limit asked)."""
+        """None while the result has not arrived; else (acks still ours, rows, limit asked).
+        A failed fetch raises, classified by SQLSTATE, its connection closed."""
         if self._sent is None:
             return None
-        pgconn = self._pgconn()
+        conn = self._connection()
+        pgconn = conn.pgconn
         try:
-            pgconn.consume_input()
-            if pgconn.is_busy():
-                return None
-            results = []
-            while (res := pgconn.get_result()) is not None:
-                results.append(res)
-        except psycopg.OperationalError:
+            with self._classifying:
+                pgconn.consume_input()
+                if pgconn.is_busy():
+                    return None
+                results = []
+                while (res := pgconn.get_result()) is not None:
+                    results.append(res)
+                for res in results:
+                    if res.status != pq.ExecStatus.TUPLES_OK:
+                        raise result_error(conn, res, url_for_messages=self._where)
+        except BaseException:
             self._drop()
             raise
         limit, self._sent = self._sent, None
-        return (*self._parse(pgconn, results), limit)
+        return (*self._parse(results), limit)
 
     def wait(self, timeout: float = 30.0) -> tuple[int, list[FetchedRow], int] | None:
         """Block until the fetch in flight (if any) completes."""
@@ -172,22 +192,18 @@ class AsyncFetcher:
             readable, _, _ = select.select([self.fileno()], [], [], timeout)
             if not readable:
                 self._drop()
-                raise psycopg.OperationalError(f"no answer to a fetch within {timeout} s")
+                raise exceptions.TransientDatabaseError(
+                    f"no answer to a fetch within {timeout} s at {self._where}: the "
+                    "connection is taken for lost and closed; kombu and Celery reconnect"
+                )
         return None
 
-    def _parse(
-        self, pgconn: pq.abc.PGconn, results: list[pq.abc.PGresult]
-    ) -> tuple[int, list[FetchedRow]]:
-        """``ack_fetch``'s text-format result as (acks still ours, rows in delivery order)."""
+    def _parse(self, results: list[pq.abc.PGresult]) -> tuple[int, list[FetchedRow]]:
+        """``ack_fetch``'s text-format results as (acks still ours, rows in delivery order)."""
         acked = 0
         urgent = False
         rows: list[tuple[Any, ...]] = []
         for res in results:
-            if res.status != pq.ExecStatus.TUPLES_OK:
-                error = connection_error(pgconn, f"fetch failed: {res.get_error_message()}")
-                if isinstance(error, psycopg.OperationalError):
-                    self._drop()
-                raise error
             for i in range(res.ntuples):
                 value = res.get_value
                 acked = int(value(i, 0) or 0)

@@ -5,8 +5,8 @@ A psycopg ``execute`` costs about 50 us of client CPU more than the libpq call i
 a durable single-row INSERT on a fast disk. The hot paths (one publish per message, the
 worker's fetch) therefore speak libpq directly, on connections opened and owned by psycopg:
 parameters and results in text format, ``%(name)s`` placeholders turned into ``$n``, errors
-raised as the psycopg exceptions (:func:`psycopg.errors.error_from_result`) the rest of the
-package already translates.
+raised as the psycopg exceptions (:func:`psycopg.errors.error_from_result`), classified by
+SQLSTATE (:func:`kombu_pgskip.exceptions.classify`) as on the package's other connections.
 """
 
 from __future__ import annotations
@@ -21,8 +21,13 @@ from uuid import UUID
 import psycopg
 from psycopg import errors, pq
 
+from . import exceptions
+
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 _OK = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
+#: Around every call into libpq here: psycopg's own errors from it (a closed connection, a
+#: failed send) are classified as the results' are.
+_CLASSIFYING = exceptions.classifying()
 
 
 def positional(text: str) -> tuple[str, list[str]]:
@@ -66,12 +71,38 @@ def text_value(value: Any) -> bytes | None:
     raise TypeError(f"no text format for a parameter of type {type(value).__name__}")
 
 
-def connection_error(pgconn: pq.abc.PGconn, message: str) -> psycopg.Error:
-    """A lost connection is an ``OperationalError`` (kombu and Celery reconnect); anything
-    else a ``DatabaseError``."""
-    if pgconn.status != pq.ConnStatus.OK:
-        return psycopg.OperationalError(message)
-    return psycopg.DatabaseError(message)
+def connection_error(
+    pgconn: pq.abc.PGconn,
+    message: str,
+    *,
+    sqlstate: str | None = None,
+    url_for_messages: str | None = None,
+) -> BaseException:
+    """The error to raise for a failure on ``pgconn``, classified by
+    :func:`~kombu_pgskip.exceptions.classify`: psycopg's class for ``sqlstate``; without one
+    (libpq's own failures: the connection went away, or its state is unknown), an
+    ``OperationalError``, which is transient (kombu and Celery reconnect)."""
+    cls = exceptions.psycopg_class(sqlstate) if sqlstate else psycopg.OperationalError
+    error = cls(message)
+    if sqlstate and error.sqlstate != sqlstate:
+        error.sqlstate = sqlstate  # a SQLSTATE newer than this psycopg: its class's class
+    return exceptions.classify(error, url_for_messages=url_for_messages)
+
+
+def result_error(
+    conn: psycopg.Connection[Any], res: pq.abc.PGresult, *, url_for_messages: str | None = None
+) -> BaseException:
+    """The error to raise for the failed result ``res`` of ``conn``, classified by
+    :func:`~kombu_pgskip.exceptions.classify`: psycopg's exception for its SQLSTATE (with the
+    server's diagnostics), or, without one, for a lost connection. ``url_for_messages``: the
+    (masked) URL the message names."""
+    if _sqlstate(res) is None:
+        message = res.get_error_message() or conn.pgconn.get_error_message()
+        return connection_error(
+            conn.pgconn, message or "connection lost", url_for_messages=url_for_messages
+        )
+    error = errors.error_from_result(res, encoding=conn.info.encoding)
+    return exceptions.classify(error, url_for_messages=url_for_messages)
 
 
 class Statement:
@@ -91,9 +122,10 @@ class Statement:
 
     def run(self, conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> pq.abc.PGresult:
         """Execute with ``params`` (every placeholder's name) and return the result; a failed
-        statement raises the psycopg exception for its SQLSTATE."""
+        statement raises the psycopg exception for its SQLSTATE, classified (as every error
+        here: :data:`_CLASSIFYING`)."""
         values = self.values(params)
-        with conn.lock:
+        with _CLASSIFYING, conn.lock:
             pgconn = conn.pgconn
             if not self.prepared:
                 res = pgconn.exec_params(self.query, values)
@@ -104,7 +136,7 @@ class Statement:
                     self._prepared_on = None
                     res = self._exec_prepared(conn, values)
         if res.status not in _OK:
-            raise _error(conn, res)
+            raise result_error(conn, res)
         return res
 
     def values(self, params: Mapping[str, Any]) -> list[bytes | None]:
@@ -125,7 +157,7 @@ class Statement:
             return
         prep = pgconn.prepare(self.name, self.query)
         if prep.status != pq.ExecStatus.COMMAND_OK and _sqlstate(prep) != b"42P05":
-            raise _error(conn, prep)  # 42P05: already prepared on this connection
+            raise result_error(conn, prep)  # 42P05: already prepared on this connection
         self._prepared_on = pgconn
 
     def _send(self, pgconn: pq.abc.PGconn, values: list[bytes | None]) -> None:
@@ -148,7 +180,7 @@ def run_then(
     then ``first`` has committed, so the caller decides what its failure means). ``conn``
     must be in autocommit mode and outside a transaction; needs libpq >= 14.
     """
-    with conn.lock:
+    with _CLASSIFYING, conn.lock:
         results = _run_pipeline(conn, (first, then))
         if results[0].status not in _OK and _sqlstate(results[0]) == b"26000":
             # first was deallocated behind our back (DISCARD ALL): it did not run, so running
@@ -158,7 +190,7 @@ def run_then(
         if results[1].status not in _OK and _sqlstate(results[1]) == b"26000":
             then[0]._prepared_on = None  # prepared again next time
     if results[0].status not in _OK:
-        raise _error(conn, results[0])
+        raise result_error(conn, results[0])
     return results[0], results[1]
 
 
@@ -216,12 +248,3 @@ def _pipeline_result(pgconn: pq.abc.PGconn) -> pq.abc.PGresult:
 
 def _sqlstate(res: pq.abc.PGresult) -> bytes | None:
     return res.error_field(pq.DiagnosticField.SQLSTATE)
-
-
-def _error(conn: psycopg.Connection[Any], res: pq.abc.PGresult) -> psycopg.Error:
-    """The psycopg exception for a failed result (by SQLSTATE), or for a lost connection."""
-    pgconn = conn.pgconn
-    if _sqlstate(res) is None:
-        message = res.get_error_message() or pgconn.get_error_message()
-        return connection_error(pgconn, message)
-    return errors.error_from_result(res, encoding=conn.info.encoding)

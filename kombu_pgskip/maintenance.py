@@ -4,10 +4,12 @@ Jobs (installed by ``celery -A proj pgskip maintenance`` and by ``beat-sync``; e
 pg_cron job calling one SQL function of the schema):
 
 ``sweep`` (every minute)
-    ``<schema>.sweep(max_attempts)``: rows held by consumers whose lease ran out go back to
-    ``pending`` (or to ``failed`` after ``max_attempts`` deliveries), those consumers are
-    forgotten, due ``scheduled`` rows are promoted. Live workers do the same; this job covers
-    the time when none runs. Also ``<schema>.expire_queues()`` where the schema has it.
+    ``<schema>.sweep(max_attempts)``: rows held by dead consumers (whose lease ran out, or
+    whose process's session lock an earlier sweep found released, see
+    :mod:`~kombu_pgskip.leases`) go back to ``pending`` (or to ``failed`` after
+    ``max_attempts`` deliveries), those consumers are forgotten, due ``scheduled`` rows are
+    promoted. Live workers do the same; this job covers the time when none runs. Also
+    ``<schema>.expire_queues()`` where the schema has it.
 ``prune`` (hourly)
     ``CALL <schema>.prune_in_batches(completed, failed, batch)``: deletes ``completed`` rows
     finished more than ``completed_retention`` ago (default 1 day), ``prune_batch`` (10,000)

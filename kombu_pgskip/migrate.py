@@ -1,27 +1,69 @@
-"""Applies the numbered SQL files of ``migrations/`` under an advisory lock and records versions.
+"""Applies the numbered SQL files of ``migrations/`` and records versions; says which code runs
+against which schema.
 
-Guarantees:
+Files are named ``NNNN_description.sql`` and applied in number order, forward only. A file
+carries directives, comment lines that start with ``-- pgskip:``:
 
-* Forward only. Files are named ``NNNN_description.sql`` and applied in number order.
-* All pending files are applied in one transaction: either the schema reaches the newest version
-  or nothing changes (PostgreSQL DDL is transactional).
-* Concurrent runners (several deploy jobs at once) serialise on an advisory lock; the second one
-  finds nothing left to do.
-* A dry run prints the SQL that would run and changes nothing.
+``-- pgskip: compatible-with NNNN``
+    Once, in the header of every file: what the file changes keeps code built for schema NNNN
+    (the newest migration that code ships is NNNN) or later working. It adds what that code
+    does not use (a nullable column, a function, an index, a grant) and removes or changes
+    nothing it uses. A file that breaks every older release says its own version; so does a
+    file without the line.
+
+``-- pgskip: concurrently``
+    Directly before a ``CREATE [UNIQUE] INDEX name ON table ...`` statement: the runner builds
+    it with ``CREATE INDEX CONCURRENTLY`` outside a transaction, so that reads and writes of the
+    table go on while it builds (an index of that name that is valid already is kept). A file
+    with such statements holds nothing else, and its version is recorded once every index is
+    built.
+
+Directive lines are not part of a file's checksum: adding or correcting one does not make an
+applied migration look changed.
+
+The window: code built for schema N runs against a database at version V >= N when every
+migration in (N, V] is compatible with N (its ``compatible-with`` is N or older). The runner
+records each file's ``compatible-with`` in ``<schema>.migrations``, where code finds it for the
+migrations newer than itself; the package knows its own files' from the files it ships.
+Code refuses an older schema (``SchemaOutdated``) and one outside its window
+(``SchemaTooNew``, naming the migration that broke compatibility).
+
+The runner:
+
+* applies each file in a transaction of its own with ``lock_timeout`` set, so that no file holds
+  its locks while later files run and no lock request waits long in the queue behind a long
+  transaction (every other session's request on that table would wait behind it); a file whose
+  lock is not granted is rolled back and tried again after a growing pause, a bounded number of
+  times; the files before it stay applied;
+* builds an index marked ``concurrently`` without ``lock_timeout``: neither its lock nor its
+  waits for the transactions open on the table hold up reads or writes, and a timeout would
+  throw the build away;
+* drops an INVALID index left by an interrupted ``CREATE INDEX CONCURRENTLY`` before building an
+  index of that name (``IF NOT EXISTS`` would keep it);
+* serialises concurrent runners (several deploy jobs at once) on an advisory lock; the second
+  one finds nothing left to do;
+* changes nothing in a dry run (the SQL that would run) or a plan (the locks each statement
+  takes, and whether running code stays compatible).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
+import os
+import random
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import errors as pg_errors
 from psycopg import sql
 
 from . import exceptions
@@ -30,7 +72,58 @@ from .urls import connect, mask_url
 logger = logging.getLogger(__name__)
 
 DEFAULT_SCHEMA = "pgskip"
+#: Seconds a migration's statement waits for a lock before the file is rolled back and retried.
+DEFAULT_LOCK_TIMEOUT = 3.0
+#: Retries of a file whose lock was not granted, after the first attempt.
+DEFAULT_RETRIES = 5
+#: The first pause before a retry, in seconds; it doubles with each retry, up to MAX_BACKOFF.
+DEFAULT_BACKOFF = 1.0
+MAX_BACKOFF = 30.0
+
 _FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+_DIRECTIVE_RE = re.compile(r"^-- pgskip:(.*)$", re.MULTILINE)
+_DIRECTIVE_LINE_RE = re.compile(r"^-- pgskip:.*(?:\n|\Z)", re.MULTILINE)
+_HOW_TO_MIGRATE = (
+    "run `celery -A proj pgskip migrate` (or `python -m kombu_pgskip migrate --url ...`)"
+)
+
+PathLike = str | os.PathLike[str]
+
+
+class MigrationLockTimeout(exceptions.MigrationError):
+    """A migration's locks were not granted within lock_timeout, however often it was tried:
+    it was not applied; the migrations before it were."""
+
+
+# -- files and directives -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Statement:
+    """One statement of a migration file."""
+
+    text: str  # as written, from its first word to its semicolon (excluded)
+    code: str  # the same with comments blanked and whitespace collapsed
+    marked: bool  # preceded by ``-- pgskip: concurrently``
+    line: int  # where it starts in the file, from 1
+
+    @property
+    def index(self) -> tuple[str, str] | None:
+        """(index name, table) of a ``CREATE [UNIQUE] INDEX name ON table``; else None."""
+        match = _CREATE_INDEX_RE.match(self.code)
+        if not match or not match.group("name"):
+            return None
+        return _unquote(match.group("name")), _short_name(match.group("table"))
+
+    @property
+    def concurrent_sql(self) -> str:
+        """The marked ``CREATE INDEX`` as ``CREATE INDEX CONCURRENTLY``."""
+        match = re.match(r"\s*CREATE\s+(?:UNIQUE\s+)?INDEX\b", self.text, re.IGNORECASE)
+        assert match is not None
+        rest = self.text[match.end() :]
+        if re.match(r"\s+CONCURRENTLY\b", rest, re.IGNORECASE):
+            return self.text
+        return f"{self.text[: match.end()]} CONCURRENTLY{rest}"
 
 
 @dataclass(frozen=True)
@@ -41,14 +134,79 @@ class Migration:
 
     @property
     def checksum(self) -> str:
-        return hashlib.sha256(self.sql.encode()).hexdigest()
+        """Of the SQL without its directive lines."""
+        return hashlib.sha256(_DIRECTIVE_LINE_RE.sub("", self.sql).encode()).hexdigest()
 
     @property
     def label(self) -> str:
         return f"{self.version:04d}_{self.name}"
 
+    @functools.cached_property
+    def _directives(self) -> tuple[int | None, bool]:
+        compatible: int | None = None
+        concurrently = False
+        for match in _DIRECTIVE_RE.finditer(self.sql):
+            words = match.group(1).split()
+            if len(words) == 2 and words[0] == "compatible-with" and words[1].isdigit():
+                if compatible is not None:
+                    raise exceptions.MigrationError(
+                        f"migration {self.label}: more than one `-- pgskip: compatible-with`"
+                    )
+                compatible = int(words[1])
+                if not 1 <= compatible <= self.version:
+                    raise exceptions.MigrationError(
+                        f"migration {self.label}: compatible-with {words[1]} must name a "
+                        f"version from 0001 to its own ({self.version:04d})"
+                    )
+            elif words == ["concurrently"]:
+                concurrently = True
+            else:
+                raise exceptions.MigrationError(
+                    f"migration {self.label}: unknown directive {match.group(0)!r} (known: "
+                    "`-- pgskip: compatible-with NNNN`, `-- pgskip: concurrently`)"
+                )
+        return compatible, concurrently
 
-def _migration_files() -> Iterator[tuple[str, str]]:
+    @property
+    def declared(self) -> bool:
+        """Whether the file says which code it is compatible with."""
+        return self._directives[0] is not None
+
+    @property
+    def compatible_with(self) -> int:
+        """The oldest schema version whose code keeps working against this migration's."""
+        declared = self._directives[0]
+        return self.version if declared is None else declared
+
+    @property
+    def concurrent(self) -> bool:
+        """Whether the file's statements are index builds run outside a transaction."""
+        return self._directives[1]
+
+    @functools.cached_property
+    def statements(self) -> tuple[Statement, ...]:
+        return tuple(split_statements(self.sql))
+
+    def validate(self) -> None:
+        """Raise MigrationError unless the directives are well formed and a file with
+        ``concurrently`` statements holds only marked, named ``CREATE INDEX`` statements."""
+        _ = self._directives
+        if not self.concurrent:
+            return
+        for stmt in self.statements:
+            if not stmt.marked or stmt.index is None:
+                raise exceptions.MigrationError(
+                    f"migration {self.label}, line {stmt.line}: a file with "
+                    "`-- pgskip: concurrently` statements holds only `CREATE [UNIQUE] INDEX "
+                    "name ON table ...` statements, each marked: put the others in a file of "
+                    "their own"
+                )
+
+
+def _migration_files(directory: PathLike | None) -> Iterator[tuple[str, str]]:
+    if directory is not None:
+        yield from ((p.name, p.read_text(encoding="utf-8")) for p in Path(directory).glob("*.sql"))
+        return
     try:
         root = resources.files("kombu_pgskip.migrations")
         entries = [(e.name, e.read_text(encoding="utf-8")) for e in root.iterdir()]
@@ -61,10 +219,21 @@ def _migration_files() -> Iterator[tuple[str, str]]:
     yield from entries
 
 
-def load_migrations() -> list[Migration]:
-    """Every migration shipped with this package, in version order."""
+def load_migrations(directory: PathLike | None = None) -> list[Migration]:
+    """Every migration shipped with this package (or in ``directory``), in version order."""
+    if directory is None:
+        return list(_package_migrations())
+    return _load(_migration_files(directory))
+
+
+@functools.cache
+def _package_migrations() -> tuple[Migration, ...]:
+    return tuple(_load(_migration_files(None)))
+
+
+def _load(files: Iterable[tuple[str, str]]) -> list[Migration]:
     found: list[Migration] = []
-    for name, text in _migration_files():
+    for name, text in files:
         match = _FILE_RE.match(name)
         if match:
             found.append(Migration(int(match.group(1)), match.group(2), text))
@@ -72,13 +241,140 @@ def load_migrations() -> list[Migration]:
     versions = [m.version for m in found]
     if len(set(versions)) != len(versions):
         raise exceptions.MigrationError(f"duplicate migration numbers: {versions}")
+    for m in found:
+        m.validate()
     return found
 
 
-def latest_version() -> int:
-    """The schema version this package needs."""
-    migrations = load_migrations()
+def latest_version(directory: PathLike | None = None) -> int:
+    """The schema version this package (or ``directory``) is built for."""
+    migrations = load_migrations(directory)
     return migrations[-1].version if migrations else 0
+
+
+# -- the window -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Applied:
+    """A row of ``<schema>.migrations``."""
+
+    version: int
+    name: str
+    checksum: str
+    compatible_with: int | None  # None: recorded by a runner older than the window
+
+    @property
+    def label(self) -> str:
+        return f"{self.version:04d}_{self.name}"
+
+
+def window_floor(version: int, claims: Mapping[int, int | None]) -> int:
+    """The oldest schema version whose code runs against a database at ``version``, given each
+    migration's ``compatible-with`` (None: compatible with nothing older)."""
+    if not version:
+        return 0
+    versions = sorted((v for v in claims if v <= version), reverse=True)
+    floor, newest_claim = version, 0
+    for i, v in enumerate(versions):
+        claim = claims[v]
+        newest_claim = max(newest_claim, v if claim is None else claim)
+        # Code built for N in [lower, v - 1] faces the migrations from v up: it runs when N is
+        # at least the newest of their claims.
+        lower = versions[i + 1] if i + 1 < len(versions) else 0
+        if newest_claim > v - 1:
+            break
+        floor = max(newest_claim, lower)
+        if floor > lower:
+            break
+    return max(floor, 1)
+
+
+def compatible_range(
+    version: int | None = None, directory: PathLike | None = None
+) -> tuple[int, int]:
+    """(oldest, newest) schema version whose code runs against this package's schema at
+    ``version`` (default: the newest), from the files' headers alone."""
+    migrations = load_migrations(directory)
+    top = version if version is not None else (migrations[-1].version if migrations else 0)
+    return window_floor(top, {m.version: m.compatible_with for m in migrations}), top
+
+
+def _breaking(code: int, applied: Iterable[Applied]) -> Applied | None:
+    """The first applied migration newer than ``code`` that does not keep it working."""
+    for row in sorted(applied, key=lambda a: a.version):
+        if row.version > code and (row.compatible_with is None or row.compatible_with > code):
+            return row
+    return None
+
+
+def require_version(
+    schema: str,
+    current: int,
+    *,
+    where: str = "",
+    applied: Iterable[Applied] | None = None,
+    directory: PathLike | None = None,
+) -> int:
+    """``current`` (the schema's installed version, 0 for none) if this package's code runs
+    against it, else the :class:`~kombu_pgskip.exceptions.SchemaError` that says what to do.
+
+    The code runs against its own version, and against a newer one when every migration in
+    between, as ``applied`` (the rows of ``<schema>.migrations``) records, is compatible with
+    it; without ``applied`` a newer schema is refused. ``where`` says whose database it is
+    (" in the database of ...")."""
+    migrations = load_migrations(directory)
+    needed = migrations[-1].version if migrations else 0
+    if current == 0:
+        raise exceptions.SchemaNotInstalled(
+            f"schema {schema!r} not installed{where}: {_HOW_TO_MIGRATE}"
+        )
+    if current < needed:
+        raise exceptions.SchemaOutdated(
+            f"schema {schema!r} is at version {current}{where}, this kombu-pgskip needs "
+            f"{needed}: {_HOW_TO_MIGRATE}{_rollout_advice(migrations, current)}"
+        )
+    if current == needed:
+        return current
+    if applied is None:
+        raise exceptions.SchemaTooNew(
+            f"schema {schema!r} is at version {current}{where}, newer than this kombu-pgskip "
+            f"knows ({needed}): upgrade the kombu-pgskip package"
+        )
+    rows = [a for a in applied if a.version <= current]
+    breaking = _breaking(needed, rows)
+    if breaking is None:
+        return current
+    floor = window_floor(current, {a.version: a.compatible_with for a in rows})
+    why = (
+        f"migration {breaking.label} was recorded without its compatibility (by an older "
+        "runner), so it is taken to need code built for it"
+        if breaking.compatible_with is None
+        else f"migration {breaking.label} needs code built for schema "
+        f"{breaking.compatible_with:04d} or later"
+    )
+    raise exceptions.SchemaTooNew(
+        f"schema {schema!r} is at version {current}{where}, newer than this kombu-pgskip knows "
+        f"({needed}), and {why}: upgrade the kombu-pgskip package to a release built for "
+        f"schema {floor:04d} or later",
+        migration=breaking.label,
+        needs=floor,
+    )
+
+
+def _rollout_advice(migrations: Sequence[Migration], current: int) -> str:
+    """Whether code built for ``current`` keeps working once this package's migrations ran."""
+    newer = [m for m in migrations if m.version > current]
+    breaking = next((m for m in newer if m.compatible_with > current), None)
+    if breaking is None:
+        return (
+            f"; code built for schema {current:04d} keeps working against the migrated "
+            "schema, so migrate first, then roll the new code out"
+        )
+    return (
+        f"; migration {breaking.label} stops code built for schema {current:04d}: stop those "
+        "processes, migrate, then start the new code"
+    )
 
 
 def _lock_key(schema: str) -> int:
@@ -86,53 +382,63 @@ def _lock_key(schema: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def applied_versions(conn: psycopg.Connection[Any], schema: str) -> dict[int, str]:
-    """Versions recorded in ``<schema>.migrations`` (empty when the schema is not installed)."""
+def _migrations_table(conn: psycopg.Connection[Any], schema: str) -> bool:
     qualified = sql.Identifier(schema, "migrations").as_string(conn)
     exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (qualified,)).fetchone()
-    if not exists or not exists[0]:
-        return {}
+    return bool(exists and exists[0])
+
+
+def applied_migrations(conn: psycopg.Connection[Any], schema: str) -> list[Applied]:
+    """The rows of ``<schema>.migrations`` in version order (empty when not installed)."""
+    if not _migrations_table(conn, schema):
+        return []
+    # to_jsonb: a table made by a runner that predates compatible_with has no such column.
     rows = conn.execute(
-        sql.SQL("SELECT version, checksum FROM {}.migrations ORDER BY version").format(
-            sql.Identifier(schema)
-        )
+        sql.SQL(
+            "SELECT version, name, checksum, (to_jsonb(m) ->> 'compatible_with')::integer"
+            " FROM {}.migrations AS m ORDER BY version"
+        ).format(sql.Identifier(schema))
     ).fetchall()
-    return {int(r[0]): str(r[1]) for r in rows}
+    return [Applied(int(r[0]), str(r[1]), str(r[2]), r[3]) for r in rows]
 
 
-def check_schema(conn: psycopg.Connection[Any], schema: str) -> int:
-    """Raise the error that says what to do unless the schema is exactly at the needed version.
+def applied_versions(conn: psycopg.Connection[Any], schema: str) -> dict[int, str]:
+    """Versions recorded in ``<schema>.migrations`` with their checksums (empty when the schema
+    is not installed)."""
+    return {a.version: a.checksum for a in applied_migrations(conn, schema)}
+
+
+def check_schema(
+    conn: psycopg.Connection[Any], schema: str, *, directory: PathLike | None = None
+) -> int:
+    """Raise the error that says what to do unless this package's code runs against the schema
+    (its version, or a newer one inside the window).
 
     Returns the installed version.
     """
-    installed = applied_versions(conn, schema)
-    return require_version(schema, max(installed) if installed else 0)
+    applied = applied_migrations(conn, schema)
+    current = applied[-1].version if applied else 0
+    return require_version(schema, current, applied=applied, directory=directory)
 
 
-def require_version(schema: str, current: int, *, where: str = "") -> int:
-    """``current`` (the schema's installed version, 0 for none) if it is the one this package
-    needs, else the :class:`~kombu_pgskip.exceptions.SchemaError` that says what to do;
-    ``where`` says whose database it is (" in the database of ...")."""
-    needed = latest_version()
-    how = "run `celery -A proj pgskip migrate` (or `python -m kombu_pgskip migrate --url ...`)"
-    if current == 0:
-        raise exceptions.SchemaNotInstalled(f"schema {schema!r} not installed{where}: {how}")
-    if current < needed:
-        raise exceptions.SchemaOutdated(
-            f"schema {schema!r} is at version {current}, this kombu-pgskip needs {needed}: {how}"
-        )
-    if current > needed:
-        raise exceptions.SchemaTooNew(
-            f"schema {schema!r} is at version {current}, newer than this kombu-pgskip knows "
-            f"({needed}): upgrade the kombu-pgskip package"
-        )
-    return current
+def _claims(applied: Iterable[Applied], migrations: Iterable[Migration]) -> dict[int, int | None]:
+    """Each applied version's compatible-with: as recorded, else as this package's file says."""
+    known = {m.version: m.compatible_with for m in migrations}
+    return {
+        a.version: a.compatible_with if a.compatible_with is not None else known.get(a.version)
+        for a in applied
+    }
 
 
-def pending_migrations(conn: psycopg.Connection[Any], schema: str) -> list[Migration]:
-    done = applied_versions(conn, schema)
+def pending_migrations(
+    conn: psycopg.Connection[Any], schema: str, *, directory: PathLike | None = None
+) -> list[Migration]:
+    return _pending(load_migrations(directory), applied_versions(conn, schema))
+
+
+def _pending(migrations: Iterable[Migration], done: Mapping[int, str]) -> list[Migration]:
     pending = []
-    for m in load_migrations():
+    for m in migrations:
         if m.version in done:
             if done[m.version] != m.checksum:
                 logger.warning(
@@ -146,60 +452,830 @@ def pending_migrations(conn: psycopg.Connection[Any], schema: str) -> list[Migra
     return pending
 
 
-def migrate(url: str, *, schema: str = DEFAULT_SCHEMA, dry_run: bool = False) -> list[str]:
+# -- running them ---------------------------------------------------------------------------------
+
+
+def migrate(
+    url: str,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    dry_run: bool = False,
+    directory: PathLike | None = None,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    retries: int = DEFAULT_RETRIES,
+    backoff: float = DEFAULT_BACKOFF,
+) -> list[str]:
     """Bring ``schema`` to the newest version; return the labels of the migrations applied.
 
-    With ``dry_run`` nothing is changed and the SQL that would run is logged and returned in
-    the labels' place as ``label + "\\n" + sql``.
+    Each file runs in a transaction of its own in which a statement waits at most
+    ``lock_timeout`` seconds for a lock; a file whose lock was not granted is rolled back and
+    tried again up to ``retries`` times, after ``backoff`` seconds, then twice that, and so on
+    (at most MAX_BACKOFF). If it still fails, :class:`MigrationLockTimeout` says so; the files
+    before it stay applied. ``directory`` replaces the package's migrations (tests).
+
+    With ``dry_run`` nothing is changed and the SQL that would run is returned in the labels'
+    place as ``label + "\\n" + sql``.
     """
     from .store import validate_schema_name
 
     validate_schema_name(schema)
-    with connect(url, autocommit=False) as conn:
+    if lock_timeout <= 0:
+        raise exceptions.ConfigurationError("lock_timeout must be a positive number of seconds")
+    if retries < 0:
+        raise exceptions.ConfigurationError("retries must be 0 or more")
+    migrations = load_migrations(directory)
+    with connect(url, autocommit=True) as conn:
         try:
-            return _migrate(conn, schema, dry_run=dry_run)
+            if dry_run:
+                pending = _pending(migrations, applied_versions(conn, schema))
+                return [f"-- {m.label}\n{m.sql}" for m in pending]
+            return _Runner(conn, schema, migrations, lock_timeout, retries, backoff).run()
         except psycopg.Error as exc:
-            conn.rollback()
             translated = exceptions.translate(exc, url_for_messages=mask_url(url))
             if translated is not exc:
                 raise translated from exc
-            raise exceptions.MigrationError(
-                f"migration failed, nothing was applied: {exc}"
-            ) from exc
+            raise exceptions.MigrationError(f"migration failed: {exc}") from exc
 
 
-def _migrate(conn: psycopg.Connection[Any], schema: str, *, dry_run: bool) -> list[str]:
-    ident = sql.Identifier(schema)
-    conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key(schema),))
-    pending = pending_migrations(conn, schema)
-    if dry_run:
-        conn.rollback()
-        return [f"-- {m.label}\n{m.sql}" for m in pending]
-    if not pending:
-        conn.rollback()
-        return []
-    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
-    conn.execute(
-        sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {}.migrations ("
-            " version integer PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,"
-            " applied_at timestamptz NOT NULL DEFAULT now())"
-        ).format(ident)
-    )
-    # The schema first, then PostgreSQL's own objects; no schema that another role can create
-    # objects in (public), so nothing a migration creates or calls resolves to one of theirs.
-    # Functions created with SET search_path FROM CURRENT keep exactly this path.
-    conn.execute(sql.SQL("SET LOCAL search_path TO {}, pg_catalog, pg_temp").format(ident))
-    applied = []
-    for m in pending:
-        logger.info("applying migration %s", m.label, extra={"action": "migrate_apply"})
-        conn.execute(m.sql.encode())
-        conn.execute(
-            sql.SQL(
-                "INSERT INTO {}.migrations (version, name, checksum) VALUES (%s, %s, %s)"
-            ).format(ident),
-            (m.version, m.name, m.checksum),
+class _Runner:
+    """One ``migrate`` run on an autocommit connection: each file in a transaction of its own
+    (or, for index builds marked ``concurrently``, outside one)."""
+
+    def __init__(
+        self,
+        conn: psycopg.Connection[Any],
+        schema: str,
+        migrations: list[Migration],
+        lock_timeout: float,
+        retries: int,
+        backoff: float,
+    ) -> None:
+        self.conn = conn
+        self.schema = schema
+        self.ident = sql.Identifier(schema)
+        self.migrations = migrations
+        self.lock_timeout = f"{max(1, round(lock_timeout * 1000))}ms"
+        self.retries = retries
+        self.backoff = backoff
+        self.applied: list[str] = []
+
+    def run(self) -> list[str]:
+        conn = self.conn
+        conn.execute("SELECT pg_advisory_lock(%s)", (_lock_key(self.schema),))
+        try:
+            done = applied_migrations(conn, self.schema)
+            self._correct_claims(done)
+            pending = _pending(self.migrations, {a.version: a.checksum for a in done})
+            for i, m in enumerate(pending):
+                try:
+                    self._apply_with_retries(m, pending[i + 1 :])
+                except psycopg.Error as exc:
+                    if exceptions.translate(exc) is not exc:
+                        raise
+                    raise exceptions.MigrationError(
+                        self._failure(m, pending[i + 1 :], str(exc)), migration=m.label
+                    ) from exc
+                self.applied.append(m.label)
+            return self.applied
+        finally:
+            if not conn.closed and not conn.broken:
+                with contextlib.suppress(psycopg.Error):  # closing the connection unlocks too
+                    conn.execute("SELECT pg_advisory_unlock(%s)", (_lock_key(self.schema),))
+
+    def _failure(self, m: Migration, later: Sequence[Migration], why: str) -> str:
+        rest = f"; {', '.join(n.label for n in later)} did not run" if later else ""
+        if not self.applied:
+            return f"migration {m.label} failed, nothing was applied{rest}: {why}"
+        return (
+            f"migration {m.label} failed and was not applied; {', '.join(self.applied)} "
+            f"were applied (each in its own transaction){rest}: {why}"
         )
-        applied.append(m.label)
-    conn.commit()
-    return applied
+
+    def _apply_with_retries(self, m: Migration, later: Sequence[Migration]) -> None:
+        attempt = 0
+        while True:
+            attempt += 1
+            started = time.monotonic()
+            logger.info(
+                "applying migration %s%s",
+                m.label,
+                "" if attempt == 1 else f" (attempt {attempt})",
+                extra={"action": "migrate_apply"},
+            )
+            try:
+                if m.concurrent:
+                    self._apply_concurrently(m)
+                else:
+                    self._apply_in_transaction(m)
+            except (pg_errors.LockNotAvailable, pg_errors.DeadlockDetected) as exc:
+                if attempt > self.retries:
+                    raise MigrationLockTimeout(
+                        self._failure(
+                            m,
+                            later,
+                            f"its locks were not granted within lock_timeout "
+                            f"{self.lock_timeout} in {attempt} attempts{self._holders(m)}. "
+                            "Rerun `pgskip migrate` when the long transactions have ended, or "
+                            "with a longer --lock-timeout",
+                        ),
+                        migration=m.label,
+                        attempts=attempt,
+                    ) from exc
+                pause = min(MAX_BACKOFF, self.backoff * 2 ** (attempt - 1))
+                pause *= random.uniform(0.8, 1.2)
+                logger.warning(
+                    "migration %s: a lock was not granted within %s (%s); rolled back, "
+                    "retry %d of %d in %.1fs",
+                    m.label,
+                    self.lock_timeout,
+                    str(exc).strip().splitlines()[0],
+                    attempt,
+                    self.retries,
+                    pause,
+                    extra={"action": "migrate_lock_retry"},
+                )
+                time.sleep(pause)
+                continue
+            logger.info(
+                "applied migration %s in %.1fs",
+                m.label,
+                time.monotonic() - started,
+                extra={"action": "migrate_applied"},
+            )
+            return
+
+    def _holders(self, m: Migration) -> str:
+        """Who holds locks on the tables ``m`` locks, for the error message."""
+        tables = sorted(
+            {t for s in m.statements for t in _locked_tables(s, _index_tables(self.migrations))}
+        )
+        if not tables:
+            return ""
+        try:
+            rows = self.conn.execute(
+                "SELECT DISTINCT a.pid, a.state, extract(epoch FROM now() - a.xact_start)::int"
+                "  FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid"
+                " WHERE l.granted AND l.pid <> pg_backend_pid() AND l.relation IN ("
+                "       SELECT c.oid FROM pg_class AS c JOIN pg_namespace AS n"
+                "           ON n.oid = c.relnamespace"
+                "        WHERE n.nspname = %s AND c.relname = ANY(%s))"
+                " ORDER BY 3 DESC NULLS LAST LIMIT 5",
+                (self.schema, tables),
+            ).fetchall()
+        except psycopg.Error:
+            return ""  # only a detail of the message
+        if not rows:
+            return ""
+        who = ", ".join(
+            f"pid {pid} ({state or 'unknown state'}, transaction open {age}s)"
+            if age is not None
+            else f"pid {pid} ({state or 'unknown state'})"
+            for pid, state, age in rows
+        )
+        return f" (sessions holding locks on {', '.join(tables)}: {who})"
+
+    # -- one file --
+
+    def _settings(self, *, local: bool, lock_timeout: str | None = None) -> None:
+        path = sql.SQL("{}, pg_catalog, pg_temp").format(self.ident).as_string(self.conn)
+        self.conn.execute(
+            "SELECT set_config('lock_timeout', %s, %s), set_config('search_path', %s, %s)",
+            (lock_timeout or self.lock_timeout, local, path, local),
+        )
+
+    def _bookkeeping(self) -> None:
+        """The schema and ``<schema>.migrations``, in the transaction of the file applied."""
+        conn = self.conn
+        if (
+            conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (self.schema,)).fetchone()
+            is None
+        ):
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(self.ident))
+        if not _migrations_table(conn, self.schema):
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE {}.migrations ("
+                    " version integer PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,"
+                    " applied_at timestamptz NOT NULL DEFAULT now(), compatible_with integer)"
+                ).format(self.ident)
+            )
+        elif not self._has_claims_column():
+            conn.execute(
+                sql.SQL("ALTER TABLE {}.migrations ADD COLUMN compatible_with integer").format(
+                    self.ident
+                )
+            )
+
+    def _has_claims_column(self) -> bool:
+        return (
+            self.conn.execute(
+                "SELECT 1 FROM pg_attribute WHERE attrelid = %s::regclass"
+                " AND attname = 'compatible_with' AND NOT attisdropped",
+                (sql.Identifier(self.schema, "migrations").as_string(self.conn),),
+            ).fetchone()
+            is not None
+        )
+
+    def _record(self, m: Migration) -> None:
+        self.conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.migrations (version, name, checksum, compatible_with)"
+                " VALUES (%s, %s, %s, %s)"
+            ).format(self.ident),
+            (m.version, m.name, m.checksum, m.compatible_with),
+        )
+
+    def _apply_in_transaction(self, m: Migration) -> None:
+        for stmt in m.statements:
+            found = _CREATE_INDEX_RE.match(stmt.code)
+            if found and found.group("concurrently"):
+                raise exceptions.MigrationError(
+                    f"migration {m.label}, line {stmt.line}: CREATE INDEX CONCURRENTLY cannot run "
+                    "in the file's transaction: mark it with `-- pgskip: concurrently` on the "
+                    "line before, in a file of its own",
+                    migration=m.label,
+                )
+        with self.conn.transaction():
+            # The schema first, then PostgreSQL's own objects; no schema that another role can
+            # create objects in (public), so nothing a migration creates or calls resolves to
+            # one of theirs. Functions created with SET search_path FROM CURRENT keep this path.
+            self._settings(local=True)
+            self._bookkeeping()
+            for name in self._invalid_indexes(m):
+                self._drop_invalid(name, concurrently=False)
+            self.conn.execute(m.sql.encode())
+            self._record(m)
+
+    def _apply_concurrently(self, m: Migration) -> None:
+        """Each index built with CREATE INDEX CONCURRENTLY, without lock_timeout: its lock
+        (SHARE UPDATE EXCLUSIVE) lets reads and writes go on, queued or granted, and the build
+        waits for the transactions open on the table, not in the table's lock queue; a timeout
+        there would throw the build away, leaving an INVALID index to build again."""
+        conn = self.conn
+        self._settings(local=False, lock_timeout="0")
+        try:
+            for stmt in m.statements:
+                index = stmt.index
+                assert index is not None  # Migration.validate
+                state = self._index_state(index[0])
+                if state is True:
+                    logger.info(
+                        "migration %s: index %s exists, not built again",
+                        m.label,
+                        index[0],
+                        extra={"action": "migrate_index_exists"},
+                    )
+                    continue
+                if state is False:
+                    self._drop_invalid(index[0], concurrently=True)
+                logger.info(
+                    "migration %s: building index %s concurrently (reads and writes go on; it "
+                    "waits for the transactions open on %s)",
+                    m.label,
+                    index[0],
+                    index[1],
+                    extra={"action": "migrate_index_build"},
+                )
+                conn.execute(stmt.concurrent_sql.encode())
+            with conn.transaction():
+                self._settings(local=True)
+                self._bookkeeping()
+                self._record(m)
+        finally:
+            if not conn.closed and not conn.broken:
+                with contextlib.suppress(psycopg.Error):  # the error on its way out matters
+                    conn.execute("RESET lock_timeout")
+                    conn.execute("RESET search_path")
+
+    def _index_state(self, name: str) -> bool | None:
+        """True: a valid index of that name in the schema; False: an INVALID one; None: none."""
+        row = self.conn.execute(
+            "SELECT i.indisvalid FROM pg_class AS c"
+            "  JOIN pg_namespace AS n ON n.oid = c.relnamespace"
+            "  JOIN pg_index AS i ON i.indexrelid = c.oid"
+            " WHERE n.nspname = %s AND c.relname = %s",
+            (self.schema, name),
+        ).fetchone()
+        return None if row is None else bool(row[0])
+
+    def _invalid_indexes(self, m: Migration) -> list[str]:
+        names = [s.index[0] for s in m.statements if s.index is not None]
+        return [n for n in names if self._index_state(n) is False]
+
+    def _drop_invalid(self, name: str, *, concurrently: bool) -> None:
+        logger.warning(
+            "dropping the INVALID index %s.%s (left by an interrupted CREATE INDEX "
+            "CONCURRENTLY) before building it again",
+            self.schema,
+            name,
+            extra={"action": "migrate_drop_invalid_index"},
+        )
+        how = sql.SQL("DROP INDEX CONCURRENTLY" if concurrently else "DROP INDEX")
+        self.conn.execute(sql.SQL("{} IF EXISTS {}").format(how, sql.Identifier(self.schema, name)))
+
+    def _correct_claims(self, done: Sequence[Applied]) -> None:
+        """Record this package's compatible-with for the applied versions it knows, when the
+        package is at least as new as the database (a newer release may correct a claim; an
+        older one must not undo that)."""
+        if not done or not self.migrations or self.migrations[-1].version < done[-1].version:
+            return
+        known = {m.version: m.compatible_with for m in self.migrations}
+        wrong = [
+            (a.version, known[a.version])
+            for a in done
+            if a.version in known and a.compatible_with != known[a.version]
+        ]
+        if not wrong:
+            return
+        with self.conn.transaction():
+            self._settings(local=True)
+            self._bookkeeping()
+            self.conn.cursor().executemany(
+                sql.SQL("UPDATE {}.migrations SET compatible_with = %s WHERE version = %s").format(
+                    self.ident
+                ),
+                [(claim, version) for version, claim in wrong],
+            )
+
+
+# -- statements -----------------------------------------------------------------------------------
+
+_TOKEN_RE = re.compile(
+    r"""
+      (?P<line_comment>--[^\n]*)
+    | (?P<block_comment>/\*.*?\*/)
+    | (?P<estring>(?<![\w$])[eE]'(?:[^'\\]|\\.|'')*')
+    | (?P<string>'(?:[^']|'')*')
+    | (?P<ident>"(?:[^"]|"")*")
+    | (?P<dollar0>(?<![\w$])\$\$.*?\$\$)
+    | (?P<dollar>(?<![\w$])\$(?P<tag>[A-Za-z_][A-Za-z0-9_]*)\$.*?\$(?P=tag)\$)
+    | (?P<semicolon>;)
+    """,
+    re.VERBOSE | re.DOTALL,
+)
+
+
+def split_statements(text: str) -> list[Statement]:
+    """The statements of a SQL file, split at the semicolons outside strings, quoted names,
+    dollar quotes and comments."""
+    statements: list[Statement] = []
+    start = 0
+    blanks: list[tuple[int, int]] = []  # comment spans of the current statement
+    for match in _TOKEN_RE.finditer(text):
+        kind = match.lastgroup
+        if kind in ("line_comment", "block_comment"):
+            blanks.append(match.span())
+        elif kind == "semicolon":
+            _add_statement(statements, text, start, match.start(), blanks)
+            start, blanks = match.end(), []
+    _add_statement(statements, text, start, len(text), blanks)
+    return statements
+
+
+def _add_statement(
+    out: list[Statement], text: str, start: int, end: int, blanks: list[tuple[int, int]]
+) -> None:
+    chunk = list(text[start:end])
+    for a, b in blanks:
+        chunk[a - start : b - start] = " " * (b - a)
+    blanked = "".join(chunk)
+    body_at = len(blanked) - len(blanked.lstrip())
+    if body_at == len(blanked):
+        return
+    leading = text[start : start + body_at]
+    marked = any(m.group(1).split() == ["concurrently"] for m in _DIRECTIVE_RE.finditer(leading))
+    out.append(
+        Statement(
+            text=text[start + body_at : end].rstrip(),
+            code=" ".join(blanked.split()),
+            marked=marked,
+            line=text.count("\n", 0, start + body_at) + 1,
+        )
+    )
+
+
+# -- what a statement locks -----------------------------------------------------------------------
+
+_NAME = r'(?:"(?:[^"]|"")+"|[A-Za-z_%][\w$%]*)'
+_QNAME = rf"{_NAME}(?:\s*\.\s*{_NAME})*"
+_CREATE_INDEX_RE = re.compile(
+    rf"CREATE (?:UNIQUE )?INDEX (?P<concurrently>CONCURRENTLY )?(?:IF NOT EXISTS )?"
+    rf"(?:(?P<name>{_NAME}) )?ON (?:ONLY )?(?P<table>{_QNAME})",
+    re.IGNORECASE,
+)
+
+_EFFECT = {
+    "ACCESS EXCLUSIVE": "blocks reads and writes",
+    "EXCLUSIVE": "blocks writes",
+    "SHARE ROW EXCLUSIVE": "blocks writes",
+    "SHARE": "blocks writes",
+    "SHARE UPDATE EXCLUSIVE": "reads and writes go on",
+    "ROW EXCLUSIVE": "row locks only",
+    "ROW SHARE": "row locks only",
+    "ACCESS SHARE": "blocks only DDL",
+}
+_NO_TABLE_LOCK = re.compile(
+    r"(?:CREATE (?:OR REPLACE )?(?:FUNCTION|PROCEDURE|AGGREGATE|TYPE|SEQUENCE|SCHEMA|DOMAIN"
+    r"|EXTENSION|OPERATOR|CAST)"
+    r"|DROP (?:FUNCTION|PROCEDURE|ROUTINE|AGGREGATE|TYPE|DOMAIN|OPERATOR|CAST)"
+    r"|ALTER (?:FUNCTION|PROCEDURE|ROUTINE|TYPE|SCHEMA|DOMAIN|DEFAULT PRIVILEGES)"
+    r"|GRANT|REVOKE|SET|RESET)\b"
+    r"|SELECT (?:pg_catalog\s*\.\s*)?set_config\s*\(",
+    re.IGNORECASE,
+)
+# PL/pgSQL around a command: BEGIN, IF ... THEN, FOR ... LOOP and the like.
+_CONTROL_PREFIX = re.compile(
+    r"(?:BEGIN|ELSE|LOOP|DECLARE|(?:IF|ELSIF|WHEN) .*? THEN|(?:FOR|FOREACH|WHILE) .*? LOOP)"
+    r"(?: |$)",
+    re.IGNORECASE,
+)
+_SQL_COMMANDS = {
+    "ALTER", "CREATE", "DROP", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "LOCK", "GRANT",
+    "REVOKE", "COMMENT", "REINDEX", "VACUUM", "CLUSTER", "REFRESH", "DO",
+}  # fmt: skip
+
+
+def _unquote(name: str) -> str:
+    name = name.strip()
+    if name.startswith('"'):
+        return name[1:-1].replace('""', '"')
+    return name.lower()
+
+
+def _short_name(qualified: str) -> str:
+    """A table's name without its schema; ``%I``-style placeholders when named at run time."""
+    last = re.split(rf"\s*\.\s*(?={_NAME}\s*$)", qualified.strip())[-1]
+    return "a table named at run time" if "%" in last else _unquote(last)
+
+
+def _names(text: str) -> list[str]:
+    return [_short_name(n) for n in re.findall(_QNAME, text) if n.upper() not in _KEYWORDS]
+
+
+_KEYWORDS = {"IF", "EXISTS", "ONLY", "CASCADE", "RESTRICT", "TABLE", "CONCURRENTLY"}
+
+
+@dataclass(frozen=True)
+class Locks:
+    """The table locks a statement takes, as far as its text tells."""
+
+    taken: tuple[tuple[str, str], ...]  # (mode, table)
+    known: bool
+    note: str = ""
+
+    def describe(self) -> str:
+        if not self.known:
+            return f"locks not derived from the text ({self.note}): read it"
+        if not self.taken:
+            return f"no table lock{f' ({self.note})' if self.note else ''}"
+        parts = [f"{mode} on {table} ({_EFFECT.get(mode, '')})" for mode, table in self.taken]
+        return "; ".join(parts) + (f"; {self.note}" if self.note else "")
+
+
+def statement_locks(stmt: Statement, index_tables: Mapping[str, str] | None = None) -> Locks:
+    """The locks ``stmt`` takes on tables, from its text: ``ALTER TABLE x`` takes ACCESS
+    EXCLUSIVE on x, ``CREATE INDEX ... ON x`` SHARE (SHARE UPDATE EXCLUSIVE when built
+    concurrently), ``CREATE OR REPLACE FUNCTION`` none, and so on."""
+    return _locks_of(stmt.code, index_tables or {}, concurrently=stmt.marked, raw=stmt.text)
+
+
+def _locks_of(
+    code: str, index_tables: Mapping[str, str], *, concurrently: bool = False, raw: str = ""
+) -> Locks:
+    text = code.strip()
+    upper = text.upper()
+    match = _CREATE_INDEX_RE.match(text)
+    if match:
+        table = _short_name(match.group("table"))
+        if concurrently or match.group("concurrently"):
+            return Locks((("SHARE UPDATE EXCLUSIVE", table),), True, "built concurrently")
+        return Locks((("SHARE", table),), True, "for as long as the build reads the table")
+    match = re.match(
+        rf"DROP INDEX (?P<c>CONCURRENTLY )?(?:IF EXISTS )?(?P<names>{_QNAME}(?:\s*,\s*{_QNAME})*)",
+        text,
+        re.IGNORECASE,
+    )
+    if match:
+        mode = "SHARE UPDATE EXCLUSIVE" if match.group("c") else "ACCESS EXCLUSIVE"
+        tables = [
+            index_tables.get(n, f"the table of index {n}") for n in _names(match.group("names"))
+        ]
+        return Locks(tuple((mode, t) for t in tables), True)
+    match = re.match(rf"ALTER TABLE (?:IF EXISTS )?(?:ONLY )?(?P<t>{_QNAME}) (?P<rest>.*)", text,
+                     re.IGNORECASE | re.DOTALL)  # fmt: skip
+    if match:
+        table, rest = _short_name(match.group("t")), match.group("rest")
+        if re.match(r"(?:VALIDATE CONSTRAINT|SET STATISTICS|SET \(|RESET \()", rest, re.I):
+            return Locks((("SHARE UPDATE EXCLUSIVE", table),), True)
+        taken = [("ACCESS EXCLUSIVE", table)]
+        taken += [("SHARE ROW EXCLUSIVE", t) for t in _referenced(rest)]
+        return Locks(tuple(taken), True)
+    match = re.match(rf"ALTER (?:INDEX|SEQUENCE|VIEW|MATERIALIZED VIEW) (?:IF EXISTS )?"
+                     rf"(?P<t>{_QNAME})", text, re.IGNORECASE)  # fmt: skip
+    if match:
+        return Locks((("ACCESS EXCLUSIVE", _short_name(match.group("t"))),), True)
+    match = re.match(
+        rf"CREATE (?:OR REPLACE )?(?:CONSTRAINT )?TRIGGER {_NAME} .*?\bON "
+        rf"(?:ONLY )?(?P<t>{_QNAME})",
+        text,
+        re.IGNORECASE | re.DOTALL,
+    )
+    if match:
+        return Locks((("SHARE ROW EXCLUSIVE", _short_name(match.group("t"))),), True)
+    match = re.match(rf"DROP TRIGGER (?:IF EXISTS )?{_NAME} ON (?:ONLY )?(?P<t>{_QNAME})", text,
+                     re.IGNORECASE)  # fmt: skip
+    if match:
+        return Locks((("ACCESS EXCLUSIVE", _short_name(match.group("t"))),), True)
+    match = re.match(
+        rf"(?:DROP (?:TABLE|SEQUENCE|VIEW|MATERIALIZED VIEW)|TRUNCATE(?: TABLE)?) "
+        rf"(?:IF EXISTS )?(?:ONLY )?(?P<names>{_QNAME}(?:\s*,\s*{_QNAME})*)",
+        text,
+        re.IGNORECASE,
+    )
+    if match:
+        return Locks(tuple(("ACCESS EXCLUSIVE", n) for n in _names(match.group("names"))), True)
+    match = re.match(rf"CREATE (?:UNLOGGED |TEMP |TEMPORARY )?TABLE (?:IF NOT EXISTS )?{_QNAME}",
+                     text, re.IGNORECASE)  # fmt: skip
+    if match:
+        refs = tuple(("SHARE ROW EXCLUSIVE", t) for t in _referenced(text[match.end() :]))
+        return Locks(refs, True, "a new table")
+    match = re.match(
+        rf"(?:INSERT INTO|UPDATE(?: ONLY)?|DELETE FROM(?: ONLY)?) (?P<t>{_QNAME})",
+        text,
+        re.IGNORECASE,
+    )
+    if match:
+        return Locks((("ROW EXCLUSIVE", _short_name(match.group("t"))),), True)
+    match = re.match(
+        rf"LOCK (?:TABLE )?(?:ONLY )?(?P<names>{_QNAME}(?:\s*,\s*{_QNAME})*)"
+        r"(?: IN (?P<mode>[A-Z ]+?) MODE)?",
+        text,
+        re.IGNORECASE,
+    )
+    if match:
+        mode = (match.group("mode") or "ACCESS EXCLUSIVE").upper()
+        return Locks(tuple((mode, n) for n in _names(match.group("names"))), True)
+    if re.match(r"COMMENT ON (?:TABLE|COLUMN)", text, re.IGNORECASE):
+        match = re.match(rf"COMMENT ON (?:TABLE|COLUMN) (?P<t>{_QNAME})", text, re.IGNORECASE)
+        assert match is not None
+        name = match.group("t")
+        table = name.rsplit(".", 1)[0] if "COLUMN" in upper[:18] else name
+        return Locks((("SHARE UPDATE EXCLUSIVE", _short_name(table)),), True)
+    if _NO_TABLE_LOCK.match(text):
+        return Locks((), True)
+    if re.match(r"DO\b", upper):
+        return _do_block_locks(raw or text, index_tables)
+    if upper.startswith(("SELECT", "WITH", "VALUES")):
+        return Locks((), True, "reads: ACCESS SHARE on what it reads")
+    return Locks((), False, f"{text.split(' ', 1)[0].upper()} is not analysed")
+
+
+def _referenced(text: str) -> list[str]:
+    return [_short_name(t) for t in re.findall(rf"\bREFERENCES ({_QNAME})", text, re.IGNORECASE)]
+
+
+def _literal_text(token: str) -> str:
+    if token.startswith("$"):
+        return token[token.index("$", 1) + 1 : token.rindex("$", 0, len(token) - 1)]
+    if token[:1] in "eE":
+        token = token[1:]
+    return token[1:-1].replace("''", "'")
+
+
+def _do_block_locks(text: str, index_tables: Mapping[str, str]) -> Locks:
+    """A DO block's locks: those of the commands it runs, as far as they are written out
+    (``EXECUTE format('GRANT ...')`` is; ``EXECUTE some_variable`` is not)."""
+    body = next(
+        (
+            m.group(0)
+            for m in _TOKEN_RE.finditer(text)
+            if m.lastgroup in ("dollar0", "dollar", "string", "estring")
+        ),
+        None,
+    )
+    if body is None:
+        return Locks((), False, "a DO block without a body")
+    taken: list[tuple[str, str]] = []
+    commands: list[str] = []
+    for stmt in split_statements(_literal_text(body)):
+        command = stmt.code
+        while prefix := _CONTROL_PREFIX.match(command):
+            command = command[prefix.end() :]
+        executed = re.match(
+            r"EXECUTE\s+(?:(?:pg_catalog\s*\.\s*)?format\s*\(\s*)?", command, re.IGNORECASE
+        )
+        if executed:
+            token = _TOKEN_RE.match(command, executed.end())
+            if token is None or token.lastgroup not in ("dollar0", "dollar", "string", "estring"):
+                return Locks((), False, "a DO block that runs a statement built at run time")
+            command = " ".join(_literal_text(token.group(0)).split())
+        first = command.split(" ", 1)[0].upper()
+        if first not in _SQL_COMMANDS:
+            continue  # PL/pgSQL: assignments, IF, RAISE, END, PERFORM, queries
+        locks = _locks_of(command, index_tables)
+        if not locks.known:
+            return Locks((), False, f"a DO block that runs {first}")
+        commands.append(_command_name(command))
+        taken.extend(t for t in locks.taken if t not in taken)
+    note = f"DO block: {', '.join(dict.fromkeys(commands))}" if commands else "DO block"
+    return Locks(tuple(taken), True, note)
+
+
+def _command_name(command: str) -> str:
+    """``CREATE OR REPLACE FUNCTION``, ``GRANT SELECT``: the words that say what it does."""
+    words = command.upper().replace(",", " ").split()
+    size = 4 if words[1:3] == ["OR", "REPLACE"] else 2
+    return " ".join(words[:size])
+
+
+def _locked_tables(stmt: Statement, index_tables: Mapping[str, str]) -> list[str]:
+    return [t for _, t in statement_locks(stmt, index_tables).taken if " " not in t]
+
+
+def _index_tables(migrations: Iterable[Migration]) -> dict[str, str]:
+    """Index name -> its table, from every ``CREATE INDEX`` of the migrations."""
+    found: dict[str, str] = {}
+    for m in migrations:
+        for stmt in m.statements:
+            if stmt.index is not None:
+                found[stmt.index[0]] = stmt.index[1]
+    return found
+
+
+# -- the plan -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannedStatement:
+    statement: Statement
+    locks: Locks
+
+    def line(self, width: int = 58) -> str:
+        text = self.statement.code
+        if self.statement.marked:
+            text = " ".join(self.statement.concurrent_sql.split())
+        text = text if len(text) <= width else text[: width - 3] + "..."
+        return f"{text:<{width}}  {self.locks.describe()}"
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    migration: Migration
+    statements: tuple[PlannedStatement, ...]
+    invalid_indexes: tuple[str, ...]  # INVALID leftovers dropped before the build
+    keeps: int  # after this step, code built for this schema version or later keeps working
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``migrate`` would do, and to which code; built by :func:`plan`."""
+
+    schema: str
+    current: int  # the database's version (0: not installed)
+    running_floor: int  # the oldest code that runs against it now
+    code: int  # the version this package is built for
+    steps: tuple[PlannedStep, ...]
+    lock_timeout: float
+    retries: int
+
+    @property
+    def final_floor(self) -> int:
+        if not self.steps:
+            return self.running_floor
+        return max([self.running_floor, *(s.keeps for s in self.steps)])
+
+    def lines(self) -> list[str]:
+        out = [self._database_line()]
+        if not self.steps:
+            out.append("nothing to run: up to date")
+            return out
+        out.append(
+            f"{len(self.steps)} migration(s) to run, each file on its own (lock_timeout "
+            f"{self.lock_timeout:g}s, up to {self.retries} retries when a lock is not granted):"
+        )
+        keeps = self.running_floor
+        for step in self.steps:
+            m = step.migration
+            how = (
+                "outside a transaction, CREATE INDEX CONCURRENTLY without lock_timeout: it "
+                "waits for the transactions open on the table"
+                if m.concurrent
+                else "one transaction"
+            )
+            out.append(f"{m.label}  ({how})")
+            drop = "DROP INDEX CONCURRENTLY" if m.concurrent else "DROP INDEX"
+            out.extend(
+                f"    first {drop} {name}: an INVALID index left by an interrupted build"
+                for name in step.invalid_indexes
+            )
+            out.extend(f"    {s.line()}" for s in step.statements)
+            out.append(f"    {self._verdict(step, keeps)}")
+            keeps = max(keeps, step.keeps)
+        top = self.steps[-1].migration.version
+        out.append(
+            f"afterwards: schema at {top:04d}; code built for schema "
+            f"{_span(self.final_floor, top)} runs against it"
+        )
+        return out
+
+    def _database_line(self) -> str:
+        mine = f"this kombu-pgskip is built for {self.code:04d}"
+        if not self.current:
+            return f"schema {self.schema!r} is not installed; {mine}"
+        return (
+            f"schema {self.schema!r} at {self.current:04d} (code built for schema "
+            f"{_span(self.running_floor, self.current)} runs against it); {mine}"
+        )
+
+    def _verdict(self, step: PlannedStep, before: int) -> str:
+        """What ``step`` does to the code running when it starts (built for ``before`` or
+        later, up to the database's version)."""
+        declared = (
+            ""
+            if step.migration.declared
+            else " (the file has no `-- pgskip: compatible-with` line: taken as breaking)"
+        )
+        whom = f"compatible with code built for schema {step.keeps:04d} and later{declared}"
+        if not self.current:
+            return f"{whom}; no running code (a new install)"
+        if before > self.current:
+            return f"{whom}: (the running code was stopped for an earlier step)"
+        after = max(before, step.keeps)
+        if after == before:
+            if before == self.running_floor:
+                return f"{whom}: running code keeps working"
+            return f"{whom}: breaks no more running code"
+        if after > self.current:
+            return (
+                f"{whom}: BREAKS the running code (built for schema "
+                f"{_span(before, self.current)}): stop it before this step"
+            )
+        return (
+            f"{whom}: BREAKS running code built for schema {_span(before, after - 1)}: stop "
+            "or upgrade it before this step"
+        )
+
+
+def _span(oldest: int, newest: int) -> str:
+    return f"{oldest:04d}" if oldest >= newest else f"{oldest:04d} to {newest:04d}"
+
+
+def plan(
+    url: str,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    directory: PathLike | None = None,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    retries: int = DEFAULT_RETRIES,
+) -> Plan:
+    """What :func:`migrate` would run against ``url``: each pending file's statements with the
+    locks they take, and whether the code running against the database now stays compatible.
+    Changes nothing."""
+    from .store import validate_schema_name
+
+    validate_schema_name(schema)
+    migrations = load_migrations(directory)
+    index_tables = _index_tables(migrations)
+    with connect(url, autocommit=True) as conn:
+        try:
+            applied = applied_migrations(conn, schema)
+            pending = _pending(migrations, {a.version: a.checksum for a in applied})
+            invalid = {
+                str(r[0])
+                for r in conn.execute(
+                    "SELECT c.relname FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid"
+                    "  JOIN pg_namespace AS n ON n.oid = c.relnamespace"
+                    " WHERE n.nspname = %s AND NOT i.indisvalid",
+                    (schema,),
+                )
+            }
+        except psycopg.Error as exc:
+            raise exceptions.translate(exc, url_for_messages=mask_url(url)) from exc
+    current = applied[-1].version if applied else 0
+    claims = _claims(applied, migrations)
+    steps: list[PlannedStep] = []
+    keeps = 0
+    for m in pending:
+        keeps = max(keeps, m.compatible_with)
+        statements = tuple(
+            PlannedStatement(s, statement_locks(s, index_tables)) for s in m.statements
+        )
+        names = tuple(s.index[0] for s in m.statements if s.index and s.index[0] in invalid)
+        steps.append(PlannedStep(m, statements, names, keeps))
+    return Plan(
+        schema=schema,
+        current=current,
+        running_floor=window_floor(current, claims),
+        code=migrations[-1].version if migrations else 0,
+        steps=tuple(steps),
+        lock_timeout=lock_timeout,
+        retries=retries,
+    )
+
+
+def schema_window(url: str, schema: str = DEFAULT_SCHEMA) -> tuple[int, int]:
+    """(oldest, newest) schema version whose code runs against the database's schema now."""
+    with connect(url, autocommit=True) as conn:
+        applied = applied_migrations(conn, schema)
+    current = applied[-1].version if applied else 0
+    return window_floor(current, _claims(applied, load_migrations())), current

@@ -30,8 +30,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from . import exceptions
 from .store import notify_channel, scheduled_channel
-from .urls import connect
+from .urls import connect, mask_url
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Poller:
         self.listen = listen
         self._channels = (notify_channel(schema), scheduled_channel(schema))
         self._connect_kwargs = connect_kwargs
+        self._classifying = exceptions.classifying(url_for_messages=mask_url(url))
         self._pid = os.getpid()
         self._listener: psycopg.Connection[Any] | None = None
         self._wake_pair: tuple[socket.socket, socket.socket] | None = None
@@ -116,8 +118,9 @@ class Poller:
         if self._listener is None or self._listener.closed:
             conn = connect(self.url, **self._connect_kwargs)
             try:
-                for chan in self._channels:
-                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(chan)))
+                with self._classifying:
+                    for chan in self._channels:
+                        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(chan)))
             except BaseException:
                 _close_quietly(conn)
                 raise
@@ -131,14 +134,22 @@ class Poller:
             _close_quietly(listener)
 
     def notifications(self) -> Notifications:
-        """Read what the LISTEN connection has received, without waiting. Raises a psycopg
-        ``OperationalError`` if the server went away."""
+        """Read what the LISTEN connection has received, without waiting. If the server went
+        away (terminated the session, shut down, the network), the connection is dropped (the
+        next wait opens another) and a
+        :class:`~kombu_pgskip.exceptions.TransientDatabaseError` is raised: kombu and Celery
+        reconnect."""
         found = Notifications()
         listener = self._listener
         if listener is None or listener.closed:
             return found
         pgconn = listener.pgconn
-        pgconn.consume_input()
+        try:
+            with self._classifying:
+                pgconn.consume_input()
+        except BaseException:
+            self.drop_listener()
+            raise
         jobs, scheduled = self._channels
         while (note := pgconn.notifies()) is not None:
             channel = note.relname.decode()

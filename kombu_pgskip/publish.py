@@ -84,7 +84,7 @@ from .adapters import (
     pyformat_text,
 )
 from .executor import CallerConnection
-from .migrate import require_version
+from .migrate import Applied, latest_version, require_version
 from .sql import quote_ident
 from .store import Store
 from .transport import Channel, Options, Transport
@@ -98,6 +98,10 @@ _ADAPTER_OPTION = "pgskip_caller_connection"
 _CHECK_QUERIES = {
     "migrations_table": "SELECT to_regclass(%(migrations)s) IS NOT NULL",
     "schema_version": "SELECT max(version) FROM {schema}.migrations",
+    # compatible_with through to_jsonb: a migrations table made before that column existed
+    # answers NULL instead of failing (which would abort the caller's transaction).
+    "applied": "SELECT version, name, checksum, (to_jsonb(m)->>'compatible_with')::integer"
+    " FROM {schema}.migrations AS m ORDER BY version",
 }
 
 
@@ -189,11 +193,22 @@ def _check_schema(adapter: Adapter, schema: str) -> None:
     query, text = statements["migrations_table"]
     installed = bool(adapter.run(query, text, {"migrations": migrations})[0][0])
     current = 0
+    applied: list[Applied] | None = None
     if installed:
         query, text = statements["schema_version"]
         current = int(adapter.run(query, text, {})[0][0] or 0)
+        if current > latest_version():
+            # A newer schema: the code runs against it if every migration since says so.
+            query, text = statements["applied"]
+            applied = [
+                Applied(int(r[0]), str(r[1]), str(r[2]), None if r[3] is None else int(r[3]))
+                for r in adapter.run(query, text, {})
+            ]
     require_version(
-        schema, current, where=f" in the database of the caller's {adapter.driver} connection"
+        schema,
+        current,
+        where=f" in the database of the caller's {adapter.driver} connection",
+        applied=applied,
     )
     if key is not None:
         with _schema_lock, suppress(TypeError):

@@ -19,6 +19,7 @@ import logging
 import os
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -55,6 +56,14 @@ class FetchedRow:
         (row id, delivery token)."""
         return self.id, self.delivery
 
+
+#: Rows the SQL function ``sweep()`` returns to the queue per call (migration 0016).
+SWEEP_BATCH = 10_000
+#: How long after a sweep found a consumer's session lock released a later sweep takes it for
+#: dead, if the lock is still released (the interval in ``sweep()``, migration 0016).
+LOCK_GRACE_S = 2.0
+#: Expired messages :meth:`Store.drop_expired` deletes per statement.
+DROP_EXPIRED_BATCH = 5_000
 
 #: Payload bytes after which a fetch takes no further message (the transport option
 #: ``fetch_max_bytes``; it always takes one): a fetch's whole result is in the worker's memory
@@ -593,12 +602,34 @@ class Store:
             },
         )
 
-    def renew_consumers(self, consumers: Sequence[uuid.UUID], lease: float) -> set[uuid.UUID]:
-        """Extend leases; returns the consumers that still exist (the others were swept)."""
+    def take_session_lock(self, key: int) -> bool:
+        """Take the session-level advisory lock ``key`` on this store's connection; False if
+        another session holds it. It is held until the session ends, however that happens:
+        :meth:`sweep` takes the consumers renewed with it (:meth:`renew_consumers`) for dead
+        once it is released."""
+        return bool(self.execute("take_session_lock", {"key": key})[0][0])
+
+    def renew_consumers(
+        self, consumers: Sequence[uuid.UUID], lease: float, *, lock_key: int | None = None
+    ) -> set[uuid.UUID]:
+        """Extend leases; returns the consumers that still exist (the others were swept).
+
+        ``lock_key``: the advisory lock this session holds (:meth:`take_session_lock`) for as
+        long as their process lives; ``None``: none, the lease alone says they live. Only the
+        ``consumers`` rows are written: no lock on ``jobs`` or ``queues`` delays a renewal."""
         if not consumers:
             return set()
-        rows = self.execute("renew_consumers", {"ids": list(consumers), "lease": lease})
+        rows = self.execute(
+            "renew_consumers", {"ids": list(consumers), "lease": lease, "lock_key": lock_key}
+        )
         return {r[0] for r in rows}
+
+    def mark_queues_used(self, consumers: Sequence[uuid.UUID]) -> int:
+        """Restart the ``x-expires`` clock of the queues ``consumers`` consume, skipping queue
+        rows another session has locked; returns how many were marked."""
+        if not consumers:
+            return 0
+        return len(self.execute("mark_queues_used", {"ids": list(consumers)}))
 
     def unregister_consumer(self, consumer: uuid.UUID) -> int:
         """Forget a consumer; what it still held goes back to pending. Returns rows requeued."""
@@ -606,14 +637,32 @@ class Store:
         return int(row[1])
 
     def sweep(self, *, max_attempts: int) -> tuple[int, int, int]:
-        """Rows of consumers whose lease ran out: (requeued, failed, consumers forgotten).
-        Due scheduled rows are promoted too (the maintenance job's sweep, one definition)."""
+        """Rows of dead consumers, whose lease ran out or whose process's session ended:
+        (requeued, failed, consumers forgotten); at most ``SWEEP_BATCH`` rows a call, rows
+        and consumers another session has locked skipped. Due scheduled rows are promoted
+        too (the maintenance job's sweep, one definition)."""
         row = self.execute("sweep", {"max_attempts": max_attempts})[0]
         return int(row[0]), int(row[1]), int(row[2])
 
-    def drop_expired(self) -> int:
-        """Delete waiting messages whose TTL ran out; returns how many."""
-        return int(self.execute("drop_expired", {})[0][0])
+    def suspected_consumers(self) -> int:
+        """How many consumers a sweep found without their session lock, and will take for dead
+        if a sweep ``LOCK_GRACE_S`` later still finds them so (unless a renewal clears them)."""
+        return int(self.execute("suspected_consumers", {})[0][0])
+
+    def drop_expired(self, limit: int = DROP_EXPIRED_BATCH) -> int:
+        """Delete up to ``limit`` waiting messages whose TTL ran out, skipping rows another
+        session has locked; returns how many."""
+        return int(self.execute("drop_expired", {"limit": limit})[0][0])
+
+    @contextmanager
+    def bounded(self, seconds: float) -> Iterator[None]:
+        """A transaction whose statements wait at most ``seconds`` for a lock and run at most
+        ``seconds`` each, else raise (``LockNotAvailable``, ``QueryCanceled``) and write
+        nothing: for housekeeping that must not hold up what comes after it."""
+        ms = str(max(1, round(seconds * 1000)))
+        with self.executor.transaction():
+            self.execute("bound_waits", {"lock_ms": ms, "statement_ms": ms})
+            yield
 
     def expire_queues(self) -> tuple[int, int]:
         """Delete queues whose ``x-expires`` ran out unused; returns (queues, messages)."""

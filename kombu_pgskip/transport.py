@@ -56,6 +56,34 @@ call ``<schema>.expire_queues()``), and no publish writes to them after that; ``
 queues go when their last consumer cancels. No-ack consumers take rows with
 ``DELETE ... RETURNING``. See docs/celery-compatibility.md.
 
+Database errors
+===============
+Every error of the server is classified by its SQLSTATE, in one place
+(``kombu_pgskip.exceptions.classify``), on every path (fetch, ack, publish, LISTEN, lease):
+
+* **transient**: ``TransientDatabaseError``, an ``OperationalError`` in ``connection_errors``:
+  kombu and Celery reconnect and retry, and a worker rides it out (its fetched and unacked
+  messages return to the queue, redelivered). A connection that went away (libpq gives no
+  SQLSTATE); class 08; class 40 but 40002 (serialization failure 40001, deadlock 40P01);
+  class 53 (disk full, out of memory, too many connections); 55P03 (``lock_timeout``);
+  class 57 but 57P04 (``statement_timeout`` and ``pg_cancel_backend()``: 57014;
+  ``pg_terminate_backend()`` and shutdowns: 57P01-57P03; ``idle_session_timeout``: 57P05);
+  58000 and 58030 (the server's system and I/O errors); 25P03 and 25P04 (idle-in-transaction
+  and transaction timeouts); 26000 (a prepared statement gone); 72000 (snapshot too old).
+* **what to do**: ``SchemaNotInstalled`` (42P01, 3F000), ``SchemaOutdated`` (42883),
+  ``PermissionDenied`` (42501), ``ReadOnlyDatabase`` (25006), ``AuthenticationFailed``
+  (28000, 28P01): not retried; the message says what to run.
+* **the rest**: ``PersistentDatabaseError``, not a connection error (42xxx, 22xxx, 23xxx,
+  54xxx, 57P04, 58P01, XX000 ...): retrying would fail the same way, so kombu does not retry
+  it; it is raised with the SQLSTATE, what it means and what to do, and a Celery worker logs
+  it as an error (and stops, where it comes with a fetch's reply) instead of reconnecting for
+  ever.
+
+Both keep psycopg's class for the SQLSTATE (a transient 40P01 is also a
+``psycopg.errors.DeadlockDetected``), except that a ``PersistentDatabaseError`` is never an
+``OperationalError``. In ``apply_async_in`` nothing is retried: the error reaches the caller,
+whose transaction it aborted, with its driver's class.
+
 Transport options
 =================
 ============================  =========  ==========================================================
@@ -139,6 +167,7 @@ from .background import Background
 from .channel import Channel, QoS
 from .channel import Channel as PgChannel  # ``Channel`` is shadowed in Transport's body
 from .dispatch import Dispatcher
+from .exceptions import TransientDatabaseError
 from .options import Options
 from .store import Store
 from .urls import build_url, mask_url, to_conninfo
@@ -173,6 +202,10 @@ class Transport(virtual.Transport):
 
     connection_errors = (
         *virtual.Transport.connection_errors,
+        # Server errors that pass (see "Database errors" above). An OperationalError like
+        # ConnectionFailed, listed for the reader; psycopg's own OperationalError stays, for a
+        # connection lost where nothing classified it.
+        TransientDatabaseError,
         psycopg.OperationalError,
         psycopg.InterfaceError,
     )

@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0001
 -- 0001_initial: the message table, queues, exchanges and bindings, consumers and their leases.
 --
 -- The runner executes this file with search_path set to the target schema (default "pgskip"),

@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0001
 -- 0002_periodic: periodic tasks fired inside PostgreSQL (pg_cron calls fire_due() every minute
 -- instead of running celery beat), and the maintenance functions pg_cron runs.
 --

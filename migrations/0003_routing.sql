@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0001
 -- 0003_routing: exchanges and bindings shared by every process, and queue expiry (x-expires).
 --
 -- Celery's remote control (a fanout exchange whose queues the workers bind, replies to a queue

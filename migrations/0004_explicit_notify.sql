@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0004
 -- 0004_explicit_notify: every statement that inserts messages sends its own NOTIFY.
 --
 -- 0001 woke consumers from a statement-level AFTER INSERT trigger with a transition table. That

@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0004
 -- 0005_routing_epoch: a number that changes whenever routing may have changed, so that a
 -- publisher can remember where an exchange sent a routing key and check, in the insert itself,
 -- that the answer still holds.

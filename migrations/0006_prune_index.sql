@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0004
 -- 0006_prune_index: prune() finds old completed rows through an index of their finish times.
 --
 -- prune() deletes "status = 'completed' AND finished_at < now() - retention", which no index

@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0004
 -- 0007_prune_in_batches: the prune job deletes in batches, each in a transaction of its own.
 --
 -- prune() deletes every completed row that came of age in one statement. With the default

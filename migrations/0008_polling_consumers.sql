@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0004
 -- 0008_polling_consumers: a consumer that polls its queues tells publishers not to notify it.
 --
 -- Every durable publish sends a NOTIFY after its commit (its announcement). That costs the

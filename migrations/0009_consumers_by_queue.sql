@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0004
 -- 0009_consumers_by_queue: publishes find a queue's consumers that want a NOTIFY by an index.
 --
 -- A publish decides whether to NOTIFY by reading the polling flags of the queue's consumers

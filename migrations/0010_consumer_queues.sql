@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0004
 -- 0010_consumer_queues: a publish reads its queue's polling flags with one b-tree probe.
 --
 -- A publish decides whether to NOTIFY by reading the polling flags of its queue's consumers

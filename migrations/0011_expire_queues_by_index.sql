@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0004
 -- 0011_expire_queues_by_index: expire_queues() finds a queue's live consumers by index.
 --
 -- expire_queues() (migration 0003) asked every consumer row, for each queue past its

@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0012
 -- 0012_least_privilege: no role but the owner runs code as the owner or changes what it does
 -- not own (docs/security.md has the threat model; kombu_pgskip/doctor.py checks all of this).
 --

@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0012
 -- 0013_delivery_token: every delivery of a message carries a token that no other delivery of it
 -- ever carries, and every transition out of 'running' is fenced by it.
 --

@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0014
 -- 0014_no_busy_polling_no_routing_epoch: drop what busy polling and the route cache needed.
 --
 -- Both were kept for speed and measured against their absence in one sitting, three full

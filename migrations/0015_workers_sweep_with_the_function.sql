@@ -1,3 +1,4 @@
+-- pgskip: compatible-with 0014
 -- 0015_workers_sweep_with_the_function: a worker's sweep runs the SQL function sweep().
 --
 -- A live worker's sweeper and the maintenance job did the same work from two definitions: a

@@ -487,12 +487,46 @@ CREATE FUNCTION pgskip.sweep(max_attempts integer DEFAULT 20) RETURNS TABLE(requ
     LANGUAGE sql
     SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
     AS $$
-WITH lost AS (
+-- The advisory locks held in this database, as pg_advisory_lock(bigint) keys: read after
+-- this statement's snapshot was taken, so a row it sees was marked while its lock was held.
+WITH held AS MATERIALIZED (
+    SELECT (l.classid::bigint << 32) | l.objid::bigint AS key
+      FROM pg_locks AS l
+     WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+       AND l.database = (SELECT d.oid FROM pg_database AS d WHERE d.datname = current_database())
+), suspected AS (
+    -- Here and in gone, a row renewed meanwhile is rechecked in its newest version (FOR
+    -- UPDATE): a renewal that marked it after the locks were read has a heartbeat_at past this
+    -- transaction's start, and a renewal clears lock_lost_at.
+    UPDATE consumers AS c
+       SET lock_lost_at = now()
+     WHERE c.id IN (SELECT d.id
+                      FROM consumers AS d
+                     WHERE d.lock_lost_at IS NULL
+                       AND d.lease_until > now()
+                       AND d.lock_server_start = pg_postmaster_start_time()
+                       AND d.heartbeat_at < now()
+                       AND d.lock_key NOT IN (SELECT h.key FROM held AS h)
+                       FOR UPDATE SKIP LOCKED)
+    RETURNING c.id
+), gone AS (
+    DELETE FROM consumers AS c
+     WHERE c.id IN (SELECT d.id
+                      FROM consumers AS d
+                     WHERE d.lease_until <= now()
+                        OR (d.lock_lost_at <= now() - interval '2 seconds'
+                            AND d.lock_server_start = pg_postmaster_start_time()
+                            AND d.heartbeat_at < now()
+                            AND d.lock_key NOT IN (SELECT h.key FROM held AS h))
+                       FOR UPDATE SKIP LOCKED)
+    RETURNING c.id
+), lost AS (
     SELECT j.id
       FROM jobs AS j
      WHERE j.status = 'running'
-       AND NOT EXISTS (SELECT 1 FROM consumers AS c
-                        WHERE c.id = j.locked_by AND c.lease_until > now())
+       AND (j.locked_by IN (SELECT g.id FROM gone AS g)
+            OR NOT EXISTS (SELECT 1 FROM consumers AS c WHERE c.id = j.locked_by))
+     LIMIT 10000
        FOR UPDATE OF j SKIP LOCKED
 ), r AS (
     UPDATE jobs
@@ -507,8 +541,6 @@ WITH lost AS (
       FROM lost
      WHERE jobs.id = lost.id
     RETURNING jobs.queue, jobs.status
-), gone AS (
-    DELETE FROM consumers WHERE lease_until <= now() RETURNING id
 ), due AS (
     SELECT id FROM jobs
      WHERE status = 'scheduled' AND run_at <= now()
@@ -561,9 +593,30 @@ CREATE TABLE pgskip.consumers (
     queues text[] DEFAULT '{}'::text[] NOT NULL,
     started_at timestamp with time zone DEFAULT now() NOT NULL,
     heartbeat_at timestamp with time zone DEFAULT now() NOT NULL,
-    lease_until timestamp with time zone NOT NULL
+    lease_until timestamp with time zone NOT NULL,
+    lock_key bigint,
+    lock_server_start timestamp with time zone,
+    lock_lost_at timestamp with time zone
 )
 WITH (fillfactor='50');
+
+--
+-- Name: COLUMN consumers.lock_key; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.consumers.lock_key IS 'key of the session-level advisory lock (pg_advisory_lock(bigint)) the consumer''s process holds while it lives; NULL: the lease alone says whether it lives';
+
+--
+-- Name: COLUMN consumers.lock_server_start; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.consumers.lock_server_start IS 'pg_postmaster_start_time() of the server on which lock_key was taken';
+
+--
+-- Name: COLUMN consumers.lock_lost_at; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.consumers.lock_lost_at IS 'when a sweep first found lock_key released (a renewal clears it); two seconds later, dead';
 
 --
 -- Name: exchanges; Type: TABLE; Schema: pgskip; Owner: -
@@ -625,7 +678,8 @@ CREATE TABLE pgskip.migrations (
     version integer NOT NULL,
     name text NOT NULL,
     checksum text NOT NULL,
-    applied_at timestamp with time zone DEFAULT now() NOT NULL
+    applied_at timestamp with time zone DEFAULT now() NOT NULL,
+    compatible_with integer
 );
 
 --

@@ -149,24 +149,38 @@ UPDATE {schema}.jobs AS jobs
    AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
 RETURNING jobs.id;
 
--- register_consumer: create or refresh a consumer and its lease
+-- register_consumer: create or refresh a consumer and its lease (a new row has no lock_key: the lease alone says it lives until the background thread's renewal marks it)
 INSERT INTO {schema}.consumers (id, hostname, pid, queues, lease_until)
 VALUES (%(id)s, %(hostname)s, %(pid)s, %(queues)s, now() + make_interval(secs => %(lease)s))
 ON CONFLICT (id) DO UPDATE
    SET lease_until = EXCLUDED.lease_until, heartbeat_at = now(), queues = EXCLUDED.queues;
 
--- renew_consumers: extend the leases of live consumers and mark their expiring queues used; returns the ids still known
-WITH c AS (
-    UPDATE {schema}.consumers
-       SET lease_until = now() + make_interval(secs => %(lease)s), heartbeat_at = now()
-     WHERE id = ANY(%(ids)s::uuid[])
-    RETURNING id, queues
-), used AS (
-    UPDATE {schema}.queues SET last_used_at = now()
-     WHERE expires IS NOT NULL AND name IN (SELECT unnest(queues) FROM c)
-    RETURNING 1
-)
-SELECT id FROM c;
+-- take_session_lock: take the advisory lock whose release tells sweep() that this process is gone (false: another session holds that key); the session is never ended for idling (idle_session_timeout, PostgreSQL 14+), which would end the lock with it
+SELECT pg_try_advisory_lock(%(key)s),
+       CASE WHEN current_setting('server_version_num')::int >= 140000
+            THEN set_config('idle_session_timeout', '0', false) END;
+
+-- renew_consumers: extend the leases of live consumers, and say which advisory lock this session holds for them (lock_key, or NULL for none) and on which server, which clears a suspicion that the lock was gone (lock_lost_at); only the consumers row is written, so nothing done to jobs or queues can hold it up; returns the ids still known
+UPDATE {schema}.consumers
+   SET lease_until = now() + make_interval(secs => %(lease)s), heartbeat_at = now(),
+       lock_key = %(lock_key)s::bigint,
+       lock_server_start = CASE WHEN %(lock_key)s::bigint IS NOT NULL
+                                THEN pg_postmaster_start_time() END,
+       lock_lost_at = NULL
+ WHERE id = ANY(%(ids)s::uuid[])
+RETURNING id;
+
+-- mark_queues_used: restart the x-expires clock of the queues live consumers consume (expire_queues counts from when a queue was last used); a queue row another session has locked is skipped, its clock being restarted by that session or by the next call
+UPDATE {schema}.queues AS q
+   SET last_used_at = now()
+ WHERE q.name IN (SELECT u.name
+                    FROM {schema}.queues AS u
+                   WHERE u.expires IS NOT NULL
+                     AND u.name IN (SELECT unnest(c.queues)
+                                      FROM {schema}.consumers AS c
+                                     WHERE c.id = ANY(%(ids)s::uuid[]))
+                     FOR NO KEY UPDATE SKIP LOCKED)
+RETURNING q.name;
 
 -- unregister_consumer: a consumer leaves: what it still holds goes back to pending, its row goes
 WITH c AS (

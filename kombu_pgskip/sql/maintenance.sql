@@ -3,8 +3,11 @@
 -- {@name} includes the block of that name, from any of the runtime files.
 -- A live worker's maintenance (kombu_pgskip.sweeper) and the promotion of scheduled messages.
 
--- sweep: return rows of consumers whose lease ran out to pending (or failed past max_attempts), forget those consumers, and promote due scheduled rows: the SQL function sweep() (migration 0002), which the maintenance job runs too; returns (requeued, failed, consumers forgotten)
+-- sweep: return rows of dead consumers (lease run out, or the session of their process ended: migration 0016) to pending (or failed past max_attempts), forget those consumers, and promote due scheduled rows: the SQL function sweep(), which the maintenance job runs too; returns (requeued, failed, consumers forgotten)
 SELECT requeued, failed, consumers_forgotten FROM {schema}.sweep(%(max_attempts)s);
+
+-- suspected_consumers: how many consumers a sweep found without their session lock, not yet long enough to be taken for dead (lock_lost_at, migration 0016)
+SELECT count(*) FROM {schema}.consumers WHERE lock_lost_at IS NOT NULL;
 
 -- promote_scheduled: make due scheduled messages pending; returns how many, and seconds until the next one
 WITH due AS (
@@ -24,13 +27,21 @@ SELECT (SELECT count(*) FROM p), (SELECT count(*) FROM n),
        (SELECT extract(epoch FROM min(run_at) - now())::float8
           FROM {schema}.jobs WHERE status = 'scheduled' AND run_at > now());
 
--- drop_expired: delete waiting messages whose TTL ran out; returns how many
+-- drop_expired: delete up to limit waiting messages whose TTL ran out, oldest expiry first (the jobs_expiring index), skipping rows another session has locked (a consumer taking them, another worker's batch); returns how many
 WITH d AS (
     DELETE FROM {schema}.jobs
-     WHERE expires_at <= now() AND status IN ('pending', 'scheduled')
+     WHERE id IN (SELECT id FROM {schema}.jobs
+                   WHERE expires_at <= now() AND status IN ('pending', 'scheduled')
+                   ORDER BY expires_at
+                   LIMIT %(limit)s
+                     FOR UPDATE SKIP LOCKED)
     RETURNING 1
 )
 SELECT count(*) FROM d;
+
+-- bound_waits: (the first statement of a transaction) the rest of the transaction waits at most lock_ms for a lock and runs at most statement_ms per statement: the background thread's housekeeping, which must leave it time for the next lease renewal
+SELECT set_config('lock_timeout', %(lock_ms)s, true),
+       set_config('statement_timeout', %(statement_ms)s, true);
 
 -- expire_queues: delete queues with x-expires unused for that long (see the SQL function); returns (queues, messages)
 SELECT queues, messages FROM {schema}.expire_queues();

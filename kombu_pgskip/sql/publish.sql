@@ -33,7 +33,7 @@ UNION ALL
 SELECT pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text)
  WHERE %(run_at)s::timestamptz IS NOT NULL;
 
--- insert_one: (fragment, included as {@insert_one} after a CTE q of the queue's max_priority and message_ttl) the insert of publish, to be followed by RETURNING id, and queue, status where {@wake} reads them in the same statement (only columns a publisher role may read)
+-- insert_one: (fragment, included as {@insert_one} after a CTE q of the queue's max_priority and message_ttl) the insert of publish (a TTL, the message's or the queue's, counts from when the message is due: a countdown longer than the TTL is not dropped before it is due), to be followed by RETURNING id, and queue, status where {@wake} reads them in the same statement (only columns a publisher role may read)
 INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
 SELECT %(queue)s,
        LEAST(%(priority)s, COALESCE((SELECT max_priority FROM q), 255)),
@@ -42,7 +42,8 @@ SELECT %(queue)s,
        %(payload)s::json,
        %(task_name)s,
        %(task_id)s,
-       now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0)
+       GREATEST(now(), %(run_at)s::timestamptz)
+         + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0)
 
 -- publish_many: insert many messages in one statement, given as one JSON array of their columns (queue, priority, status, run_at, task_name, task_id, ttl_ms) and their payloads as one text, in the same order, separated by U+001E (which JSON text cannot hold unescaped); priority clamped, TTL applied and consumers woken as publish does; returns the ids in order
 WITH {@many_rows}, woken AS (
@@ -77,7 +78,7 @@ m AS MATERIALIZED (
            m.payload::json,
            m.task_name,
            m.task_id,
-           now() + make_interval(secs => LEAST(m.ttl_ms, q.message_ttl) / 1000.0)
+           GREATEST(now(), m.run_at) + make_interval(secs => LEAST(m.ttl_ms, q.message_ttl) / 1000.0)
       FROM m
       LEFT JOIN {schema}.queues AS q ON q.name = m.queue
      ORDER BY m.n
@@ -113,7 +114,8 @@ WITH targets AS (
            %(payload)s::json,
            %(task_name)s,
            %(task_id)s,
-           now() + make_interval(secs => LEAST(%(ttl_ms)s::bigint, live.message_ttl) / 1000.0)
+           GREATEST(now(), %(run_at)s::timestamptz)
+             + make_interval(secs => LEAST(%(ttl_ms)s::bigint, live.message_ttl) / 1000.0)
       FROM live
     RETURNING queue, status
 )

@@ -166,3 +166,15 @@ def test_failed_migration_applies_nothing(empty_db_url: str) -> None:
     with psycopg.connect(empty_db_url) as conn:
         assert conn.execute("SELECT to_regclass('pgskip.jobs')").fetchone() == (None,)
         assert conn.execute("SELECT to_regclass('pgskip.migrations')").fetchone() == (None,)
+
+
+def test_a_schema_migrated_before_the_window_gets_its_claims_recorded(db_url: str) -> None:
+    """A runner that predates ``compatible_with`` left no such column: the next run adds it and
+    fills it from the files' headers, with nothing else to apply."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("ALTER TABLE pgskip.migrations DROP COLUMN compatible_with")
+        assert check_schema(conn, "pgskip") == latest_version()  # type: ignore[arg-type]
+    assert migrate(db_url) == []
+    with psycopg.connect(db_url) as conn:
+        rows = conn.execute("SELECT version, compatible_with FROM pgskip.migrations").fetchall()
+    assert dict(rows) == {m.version: m.compatible_with for m in load_migrations()}
