@@ -42,6 +42,10 @@ class AckBatcher:
     def __init__(self, consumer_id: uuid.UUID) -> None:
         self.consumer_id = consumer_id
         self._lock = threading.Lock()
+        # Held by a flush from the moment it takes the acks until they are written or queued
+        # again: a close on the consumer thread waits for a flush on the background thread,
+        # so that it never returns the messages of acks still being written to the queue.
+        self._flushing = threading.Lock()
         self._pending: list[Pair] = []
         self._in_flight: list[Pair] = []  # sent with the fetch whose reply has not arrived
 
@@ -71,12 +75,20 @@ class AckBatcher:
                 self._pending[:0] = pairs
             raise
 
+    @contextmanager
+    def flushing(self) -> Iterator[list[Pair]]:
+        """Take the queued acks to write them in the block: queued again if it raises. One
+        flush at a time: another waits for this one to end (see ``_flushing``)."""
+        with self._flushing:
+            pairs = self.take()
+            with self.writing(pairs):
+                yield pairs
+
     def flush(self, store: Store) -> int:
         """Write the queued acks in one statement on ``store``'s connection; returns how many."""
-        pairs = self.take()
-        if not pairs:
-            return 0
-        with self.writing(pairs):
+        with self.flushing() as pairs:
+            if not pairs:
+                return 0
             done = store.ack(pairs, self.consumer_id)
         self.written(len(pairs), done)
         return len(pairs)

@@ -153,9 +153,9 @@ class LeaseRenewal:
             if bound is None:
                 acks.flush(store)
                 continue
-            pairs = acks.take()
-            if not pairs:
-                continue
-            with acks.writing(pairs), store.bounded(bound):
-                done = store.ack(pairs, holder.consumer_id)
+            with acks.flushing() as pairs:
+                if not pairs:
+                    continue
+                with store.bounded(bound):
+                    done = store.ack(pairs, holder.consumer_id)
             acks.written(len(pairs), done)

@@ -33,8 +33,11 @@ whose ``eta`` is more than ``eta_threshold`` seconds away is stored as ``schedul
 to ``pending`` when due, so workers do not hold it.
 
 Every consumer has a lease (a row in ``consumers``) that a heartbeat thread renews every
-``lease_seconds / 3``; a consumer that dies stops renewing, and after ``lease_seconds`` any live
-worker's sweeper (every ``sweep_interval``) puts its rows back to ``pending``. Acks are fenced by
+``lease_seconds / 3``, on a connection that also holds a session-level advisory lock for as long
+as the process lives. A process that dies loses the lock with its session: any live worker's
+sweeper (every ``sweep_interval``, and when a worker starts) puts its consumers' rows back to
+``pending`` 2 s later. A consumer that hangs but stays connected stops renewing, and after
+``lease_seconds`` the sweeper does the same. Acks are fenced by
 (consumer, delivery token, unique to each delivery): an ack from a consumer that lost its lease,
 or of an earlier delivery of the same message, changes nothing.
 Acks wait for the consumer's next fetch and are written by the same statement (or on their

@@ -134,3 +134,38 @@ def test_acks_of_a_blocking_fetch_that_fails_are_written_by_the_next_statement(
         assert _statuses(db_url, name) == ["running"]
         channel.flush_acks()
         assert _statuses(db_url, name) == ["completed"]
+
+
+def test_a_close_waits_for_the_background_flush_of_its_acks(db_url: str) -> None:
+    """The background thread took the channel's acks and waits for a lock on ``jobs`` when
+    the channel closes: the close waits for that flush to end (here it gives up on the lock and
+    queues the acks again) and writes them itself before it returns what the consumer still
+    holds to the queue. Without the wait, the close would find no ack to write and return the
+    acked messages to ``pending``, to run a second time."""
+    name = "ackfail-close"
+    queue = Queue(name, Exchange(name), name)
+    with Connection(_broker(db_url), transport_options={"lease_seconds": 3}) as conn:
+        Producer(conn.channel()).publish(
+            {"i": 0}, exchange=queue.exchange, routing_key=name, declare=[queue]
+        )
+        received: list[Any] = []
+        channel = conn.channel()
+        Consumer(
+            channel, [queue], callbacks=[lambda body, m: received.append(m)], prefetch_count=10
+        ).consume()
+        conn.drain_events(timeout=5)
+        assert len(received) == 1
+        locker = psycopg.connect(db_url)
+        try:
+            locker.execute("LOCK TABLE pgskip.jobs IN ACCESS EXCLUSIVE MODE")
+            received[0].ack()
+            deadline = time.monotonic() + 5
+            while len(channel.acks) and time.monotonic() < deadline:
+                time.sleep(0.01)  # the background thread's flush takes it, then waits
+            assert len(channel.acks) == 0, "taken by the background flush"
+            threading.Timer(1.5, locker.rollback).start()  # the close's own flush then runs
+            channel.close()
+        finally:
+            locker.rollback()
+            locker.close()
+    assert _statuses(db_url, name) == ["completed"]
