@@ -17,7 +17,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from .envelope import parse_tag
@@ -84,12 +84,16 @@ class AckBatcher:
             with self.writing(pairs):
                 yield pairs
 
-    def flush(self, store: Store) -> int:
-        """Write the queued acks in one statement on ``store``'s connection; returns how many."""
+    def flush(self, store: Store, bound: float | None = None) -> int:
+        """Write the queued acks in one statement on ``store``'s connection; returns how many.
+        With ``bound``, in a transaction that waits at most that many seconds for a lock
+        (:meth:`~kombu_pgskip.store.Store.bounded`): the background thread's flush, which must
+        not hold up the next lease renewal."""
         with self.flushing() as pairs:
             if not pairs:
                 return 0
-            done = store.ack(pairs, self.consumer_id)
+            with nullcontext() if bound is None else store.bounded(bound):
+                done = store.ack(pairs, self.consumer_id)
         self.written(len(pairs), done)
         return len(pairs)
 

@@ -455,38 +455,10 @@ class UnsupportedCanvas(TransactionalEnqueueError):
     or start the chord after commit."""
 
 
-class translating:  # used as a function: ``with translating(...):``
-    """Re-raise the psycopg errors that have a clearer meaning as :func:`translate` maps them,
-    and those that pass as :class:`TransientDatabaseError` (:func:`transient`), which keeps
-    psycopg's class: on either executor, a caller's ``except`` clauses still match.
-
-    A class rather than a ``@contextmanager`` generator: it wraps every publish, where the
-    generator's set-up costs several microseconds.
-    """
-
-    __slots__ = ("url_for_messages",)
-
-    def __init__(self, *, url_for_messages: str) -> None:
-        self.url_for_messages = url_for_messages
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
-    ) -> None:
-        if isinstance(exc, psycopg.Error) and not isinstance(exc, PgSkipError):
-            translated = translate(exc, url_for_messages=self.url_for_messages)
-            if translated is exc:
-                translated = transient(exc, url_for_messages=self.url_for_messages) or exc
-            if translated is not exc:
-                raise translated from exc
-
-
-class classifying:  # used as a function: ``with classifying(...):``
-    """Re-raise psycopg errors as :func:`classify` maps them: around the statements of the
-    package's own connections. Stateless, so one instance serves every statement of a
-    connection."""
+class _Reraising:
+    """Re-raise a psycopg error leaving the block as :meth:`_map` maps it (our own errors
+    pass unchanged). A class rather than a ``@contextmanager`` generator: it wraps every
+    publish, where the generator's set-up costs several microseconds."""
 
     __slots__ = ("url_for_messages",)
 
@@ -500,6 +472,34 @@ class classifying:  # used as a function: ``with classifying(...):``
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> None:
         if isinstance(exc, psycopg.Error) and not isinstance(exc, PgSkipError):
-            classified = classify(exc, url_for_messages=self.url_for_messages)
-            if classified is not exc:
-                raise classified from exc
+            mapped = self._map(exc)
+            if mapped is not exc:
+                raise mapped from exc
+
+    def _map(self, exc: psycopg.Error) -> BaseException:
+        raise NotImplementedError
+
+
+class translating(_Reraising):  # used as a function: ``with translating(...):``
+    """Re-raise the psycopg errors that have a clearer meaning as :func:`translate` maps them,
+    and those that pass as :class:`TransientDatabaseError` (:func:`transient`), which keeps
+    psycopg's class: on either executor, a caller's ``except`` clauses still match."""
+
+    __slots__ = ()
+
+    def _map(self, exc: psycopg.Error) -> BaseException:
+        translated = translate(exc, url_for_messages=self.url_for_messages)
+        if translated is exc:
+            translated = transient(exc, url_for_messages=self.url_for_messages) or exc
+        return translated
+
+
+class classifying(_Reraising):  # used as a function: ``with classifying(...):``
+    """Re-raise psycopg errors as :func:`classify` maps them: around the statements of the
+    package's own connections. Stateless, so one instance serves every statement of a
+    connection."""
+
+    __slots__ = ()
+
+    def _map(self, exc: psycopg.Error) -> BaseException:
+        return classify(exc, url_for_messages=self.url_for_messages)

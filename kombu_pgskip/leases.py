@@ -149,13 +149,4 @@ class LeaseRenewal:
         a transaction that waits at most that many seconds (:meth:`Store.bounded`). Acks whose
         statement or commit fails are queued again."""
         for holder in self.holders():
-            acks = holder.acks
-            if bound is None:
-                acks.flush(store)
-                continue
-            with acks.flushing() as pairs:
-                if not pairs:
-                    continue
-                with store.bounded(bound):
-                    done = store.ack(pairs, holder.consumer_id)
-            acks.written(len(pairs), done)
+            holder.acks.flush(store, bound)
