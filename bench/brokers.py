@@ -6,8 +6,23 @@
   publishes commit with ``synchronous_commit=off``, the opt-in mode whose risk is that the last
   few hundred milliseconds of acknowledged publishes can be lost if the server crashes.
 * ``sqlalchemy``: kombu's SQLAlchemy transport on the same cluster, database ``sqla_bench``.
-* ``rabbitmq``: 127.0.0.1:5672 (guest/guest), pyamqp without publisher confirms.
-* ``redis``: 127.0.0.1:6379, database 13 (flushed between measurements), no AOF.
+* ``rabbitmq``: 127.0.0.1:5672 (guest/guest), pyamqp without publisher confirms: a publish
+  returns once the frame is written to the socket, before RabbitMQ has the message on disk.
+* ``rabbitmq-confirm``: the same server with ``confirm_publish=True`` in the transport options.
+  py-amqp then puts every channel of the connection in confirm mode (``confirm.select`` before
+  its first publish) and makes ``basic_publish`` wait for the broker's ``basic.ack`` (a
+  ``basic.nack`` raises ``MessageNacked``): one round trip per publish. Celery publishes
+  persistent messages (``task_default_delivery_mode`` 2) to durable queues (kombu's default),
+  which RabbitMQ confirms once they are written to disk (or once consumed and acknowledged, if
+  that comes first).
+* ``redis``: 127.0.0.1:6379, database 13 (flushed between measurements), as configured there
+  (the label records its ``appendonly``).
+* ``redis-fsync``: a ``redis-server`` of its own, started for the run on a free port with
+  ``--appendonly yes --appendfsync always`` and its files in a temporary directory beside the
+  PostgreSQL cluster's (the same disk), stopped (and the directory removed) at the end: Redis
+  writes and fsyncs the append-only file before it replies to a write. A consumer's writes
+  are fsynced too: kombu's Redis transport writes on each delivery (the message into its
+  unacked hash) and on each ack (out of it).
 
 Redis and RabbitMQ are started if absent (``redis-server --daemonize yes ...``,
 ``rabbitmq-server -detached``); when that fails they are reported unavailable, never fatal.
@@ -19,8 +34,10 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -37,6 +54,7 @@ PGSKIP_BROKERS = ("pgskip", "pgskip-async")
 class Broker:
     name: str
     label: str
+    kind: str = ""  # the server it runs on: pgskip, rabbitmq, redis, sqlalchemy (default: name)
     url: str | None = None  # what workers (and, unless publish_url, publishers) use
     publish_url: str | None = None
     db_url: str | None = None  # libpq URL of its database (PostgreSQL brokers)
@@ -45,30 +63,33 @@ class Broker:
     reason: str = ""
     slow: bool = False  # kombu's SQLAlchemy transport: smaller workloads, capped waits
 
+    def __post_init__(self) -> None:
+        self.kind = self.kind or self.name
+
     @property
     def publisher_url(self) -> str | None:
         return self.publish_url or self.url
 
     def reset(self) -> None:
         """Empty every queue of this broker (called before each measurement)."""
-        if self.name in PGSKIP_BROKERS and self.db_url:
+        if self.kind == "pgskip" and self.db_url:
             with psycopg.connect(self.db_url, autocommit=True) as conn:
                 conn.execute("TRUNCATE pgskip.jobs, pgskip.consumers")
                 conn.execute("DELETE FROM pgskip.queues")
                 conn.execute("DELETE FROM pgskip.exchanges")
-        elif self.name == "sqlalchemy" and self.db_url:
+        elif self.kind == "sqlalchemy" and self.db_url:
             with psycopg.connect(self.db_url, autocommit=True) as conn:
                 exists = conn.execute("SELECT to_regclass('kombu_message') IS NOT NULL").fetchone()
                 if exists and exists[0]:
                     conn.execute("TRUNCATE kombu_message, kombu_queue CASCADE")
-        elif self.name == "redis" and self.url:
+        elif self.kind == "redis" and self.url:
             import redis
 
             redis.Redis.from_url(self.url).flushdb()
 
     def delete_queues(self, names: list[str]) -> None:
         """Drop queues a measurement declared (RabbitMQ keeps them otherwise)."""
-        if self.name != "rabbitmq" or not self.url:
+        if self.kind != "rabbitmq" or not self.url:
             return
         from kombu import Connection
 
@@ -124,6 +145,101 @@ def ensure_redis() -> Broker:
     return broker
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisFsync:
+    """A ``redis-server`` of the run's own: every write in the append-only file, fsynced before
+    the reply (``appendonly yes``, ``appendfsync always``), on a free port, its files in a
+    temporary directory under ``base_dir``. :meth:`stop` ends it and removes the directory."""
+
+    def __init__(self, base_dir: str | None = None) -> None:
+        self.base_dir = base_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.dir: str | None = None
+        self.port = 0
+
+    def start(self) -> Broker:
+        broker = Broker("redis-fsync", "Redis (appendonly yes, appendfsync always)", kind="redis")
+        try:
+            import redis
+        except ImportError:
+            broker.reason = "python package redis not installed"
+            return broker
+        exe = shutil.which("redis-server")
+        if exe is None:
+            broker.reason = "redis-server not installed"
+            return broker
+        self.dir = tempfile.mkdtemp(prefix="bench-redis-fsync-", dir=self.base_dir)
+        self.port = _free_port()
+        # The options a durable Redis runs with; no RDB snapshots (the AOF is the only file).
+        argv = [
+            exe,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            self.dir,
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--logfile",
+            "redis.log",
+        ]
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        url = f"redis://127.0.0.1:{self.port}/{REDIS_DB}"
+        deadline = time.monotonic() + 10.0
+        last: Exception | None = None
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                client = redis.Redis.from_url(url, socket_timeout=5)
+                client.ping()
+                conf = client.config_get("append*")
+                if conf.get("appendonly") != "yes" or conf.get("appendfsync") != "always":
+                    raise RuntimeError(f"unexpected configuration {conf}")
+                broker.url = url
+                broker.available = True
+                broker.label = (
+                    f"Redis (appendonly yes, appendfsync always; port {self.port}, {self.dir})"
+                )
+                log(f"redis-fsync: redis-server on port {self.port}, files in {self.dir}")
+                return broker
+            except Exception as exc:
+                last = exc
+                time.sleep(0.1)
+        broker.reason = f"redis-server --appendfsync always did not start: {last}"
+        self.stop()
+        return broker
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+
 def ensure_rabbitmq(start_timeout: float = 90.0) -> Broker:
     broker = Broker(
         "rabbitmq",
@@ -156,27 +272,56 @@ def ensure_rabbitmq(start_timeout: float = 90.0) -> Broker:
     return broker
 
 
+def rabbitmq_confirm(plain: Broker) -> Broker:
+    """The RabbitMQ of ``plain`` with publisher confirms: each publish waits for the broker's
+    ``basic.ack`` (persistent messages to durable queues: once on disk)."""
+    return Broker(
+        "rabbitmq-confirm",
+        "RabbitMQ (pyamqp, publisher confirms, persistent messages, durable queues)",
+        kind="rabbitmq",
+        url=plain.url,
+        transport_options={"confirm_publish": True},
+        available=plain.available,
+        reason=plain.reason,
+    )
+
+
 class BenchEnv:
     """Every broker of the run; ``with BenchEnv() as env: env.brokers["pgskip"]``."""
 
     def __init__(self, *, want: set[str] | None = None) -> None:
-        self.want = want
+        self.want = want  # None: every broker (only ``redis-fsync`` costs a server of its own)
         self.pg: Any = None
         self.brokers: dict[str, Broker] = {}
         self.pg_settings: dict[str, str] = {}
+        self.redis_fsync: RedisFsync | None = None
 
     def __enter__(self) -> BenchEnv:
-        self._start_postgres()
-        self.brokers["rabbitmq"] = ensure_rabbitmq()
-        self.brokers["redis"] = ensure_redis()
+        try:
+            self._start_postgres()
+            self.brokers["rabbitmq"] = ensure_rabbitmq()
+            self.brokers["rabbitmq-confirm"] = rabbitmq_confirm(self.brokers["rabbitmq"])
+            self.brokers["redis"] = ensure_redis()
+            if self.want is None or "redis-fsync" in self.want:
+                # Its append-only file on the disk of the PostgreSQL cluster's data directory.
+                base = None if self.pg is None else str(Path(self.pg.base_path).parent)
+                self.redis_fsync = RedisFsync(base)
+                self.brokers["redis-fsync"] = self.redis_fsync.start()
+        except BaseException:
+            self.__exit__()
+            raise
         for b in self.brokers.values():
             if not b.available:
                 log(f"{b.name}: unavailable ({b.reason})")
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.redis_fsync is not None:
+            self.redis_fsync.stop()
+            self.redis_fsync = None
         if self.pg is not None:
             self.pg.cleanup()
+            self.pg = None
 
     def raw_db_url(self) -> str | None:
         return None if self.pg is None else self.pg.dsn("raw_bench")
@@ -208,6 +353,7 @@ class BenchEnv:
             self.brokers["pgskip"] = Broker(
                 "pgskip",
                 "pgskip (fsync on, sync commit)",
+                kind="pgskip",
                 url=f"pgskip://{host}/pgskip_bench",
                 db_url=pg_url,
                 available=True,
@@ -215,6 +361,7 @@ class BenchEnv:
             self.brokers["pgskip-async"] = Broker(
                 "pgskip-async",
                 "pgskip, durable_publish=False (opt-in asynchronous commit of publishes)",
+                kind="pgskip",
                 url=f"pgskip://{host}/pgskip_bench",
                 transport_options={"durable_publish": False},
                 db_url=pg_url,

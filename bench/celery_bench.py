@@ -149,7 +149,9 @@ def publish_breakdown(
       (``OwnConnection.run_then``: the INSERT, its commit and its NOTIFY; ``run_direct``: the
       INSERT with its NOTIFY with asynchronous commits, and routing);
     * commit wait: SQL time minus the SQL time of the same statement with
-      ``synchronous_commit=off`` (the WAL flush the publisher waits for).
+      ``synchronous_commit=off`` (the WAL flush the publisher waits for);
+    * the floor of one durable publish (:func:`publish_floor`): a bare psycopg INSERT of the
+      same payload and its commit, against the same ``apply_async``, interleaved.
     """
     import psycopg
 
@@ -242,6 +244,8 @@ def publish_breakdown(
             out[f"statement_{key}_us"] = round(1e6 * (time.perf_counter() - t0) / n, 1)
             store.close()
         out["payload_bytes"] = len(row[1])
+        if raw_url:
+            out.update(publish_floor(pgskip, raw_url, row[1], n=n))
     s = out
     if "sync_total_us" in s and "async_sql_us" in s:
         s["summary_us"] = {
@@ -254,5 +258,81 @@ def publish_breakdown(
             "total": s["sync_total_us"],
         }
     pgskip.reset()
-    log(f"publish breakdown: {s.get('summary_us')}")
+    log(
+        f"publish breakdown: {s.get('summary_us')}; apply_async / bare INSERT and commit: "
+        f"{s.get('apply_async_over_floor')}"
+    )
     return out
+
+
+FLOOR_DDL = """
+DROP TABLE IF EXISTS bench_publish_floor;
+CREATE TABLE bench_publish_floor (id bigserial PRIMARY KEY, payload json NOT NULL);
+"""
+FLOOR_INSERT = "INSERT INTO bench_publish_floor (payload) VALUES (%s::json)"
+
+
+def publish_floor(pgskip: Broker, raw_url: str, payload: str, *, n: int) -> dict[str, Any]:
+    """What one durable publish costs at the least, beside what pgskip's costs, in microseconds.
+
+    In five rounds, each a block of ``n / 5`` calls of each of the three in turn (so a change in
+    the machine's load falls on all three alike):
+
+    * ``apply_async``: the durable pgskip ``apply_async`` (Celery, kombu, the transport);
+    * ``insert_autocommit``: the bare INSERT of ``payload`` (a Celery message as pgskip stores
+      it) into a table with a json column, on a psycopg connection of its own in autocommit:
+      the statement is its own transaction, committed (the WAL flushed) before the reply, in
+      one round trip, as pgskip's publish statement runs;
+    * ``insert_then_commit``: the same INSERT, then ``COMMIT`` (two round trips).
+
+    ``apply_async_over_floor`` is ``apply_async`` over the cheaper of the two bare ones.
+    """
+    import psycopg
+
+    rounds = 5
+    per = max(1, n // rounds)
+    with psycopg.connect(raw_url, autocommit=True) as conn:
+        conn.execute(FLOOR_DDL)
+    app = publisher_app(pgskip, new_queue("floor"))
+    task = app.tasks["bench.noop"]
+    spent = {"apply_async": 0.0, "insert_autocommit": 0.0, "insert_then_commit": 0.0}
+    try:
+        with (
+            psycopg.connect(raw_url, autocommit=True) as auto,
+            psycopg.connect(raw_url, autocommit=False) as txn,
+        ):
+            for _ in range(50):
+                task.apply_async(kwargs={"i": -2})
+                auto.execute(FLOOR_INSERT, (payload,), prepare=True)
+                txn.execute(FLOOR_INSERT, (payload,), prepare=True)
+                txn.commit()
+            for r in range(rounds):
+                t0 = time.perf_counter()
+                for i in range(per):
+                    task.apply_async(kwargs={"i": r * per + i})
+                t1 = time.perf_counter()
+                for _ in range(per):
+                    auto.execute(FLOOR_INSERT, (payload,), prepare=True)
+                t2 = time.perf_counter()
+                for _ in range(per):
+                    txn.execute(FLOOR_INSERT, (payload,), prepare=True)
+                    txn.commit()
+                t3 = time.perf_counter()
+                spent["apply_async"] += t1 - t0
+                spent["insert_autocommit"] += t2 - t1
+                spent["insert_then_commit"] += t3 - t2
+        with psycopg.connect(raw_url, autocommit=True) as conn:
+            conn.execute("DROP TABLE bench_publish_floor")
+    finally:
+        app.close()
+    calls = rounds * per
+    us = {k: round(1e6 * v / calls, 1) for k, v in spent.items()}
+    floor = min(us["insert_autocommit"], us["insert_then_commit"])
+    return {
+        "floor_calls": calls,
+        "floor_apply_async_us": us["apply_async"],
+        "floor_insert_autocommit_us": us["insert_autocommit"],
+        "floor_insert_then_commit_us": us["insert_then_commit"],
+        "floor_payload_bytes": len(payload),
+        "apply_async_over_floor": round(us["apply_async"] / floor, 3) if floor else None,
+    }

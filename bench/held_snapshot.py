@@ -38,11 +38,11 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import sql
@@ -56,6 +56,13 @@ HOLDER_APP = "held-snapshot"
 HOLDER_QUERY = "SELECT count(*) FROM pgskip.jobs /* held snapshot */"
 _NOT_REMOVABLE = re.compile(r"(\d+) are dead but not yet removable")
 _WARNING = re.compile(r"^.*WARNING.*xmin horizon.*$", re.MULTILINE)
+_INSERT = sql.SQL(
+    "INSERT INTO {s}.jobs (queue, payload, task_name, task_id)"
+    " SELECT %(queue)s, jsonb_set(%(payload)s::jsonb, '{{headers,id}}', to_jsonb(u))::json,"
+    " %(task)s, u FROM (SELECT gen_random_uuid()::text AS u"
+    " FROM generate_series(1, %(n)s)) AS g"
+).format(s=sql.Identifier(SCHEMA))
+T = TypeVar("T")
 
 
 @dataclass
@@ -116,17 +123,9 @@ class Load(threading.Thread):
         self.paused = threading.Event()
         self.published = 0
         self.error: BaseException | None = None
-        self.insert = sql.SQL(
-            "INSERT INTO {s}.jobs (queue, payload, task_name, task_id)"
-            " SELECT %(queue)s, jsonb_set(%(payload)s::jsonb, '{{headers,id}}', to_jsonb(u))::json,"
-            " %(task)s, u FROM (SELECT gen_random_uuid()::text AS u"
-            " FROM generate_series(1, %(n)s)) AS g"
-        ).format(s=sql.Identifier(SCHEMA))
 
     def burst(self, conn: psycopg.Connection[Any], n: int) -> None:
-        conn.execute(
-            self.insert, {"queue": self.queue, "payload": self.payload, "task": TASK, "n": n}
-        )
+        insert_messages(conn, self.queue, self.payload, n)
 
     def run(self) -> None:
         try:
@@ -147,6 +146,57 @@ class Load(threading.Thread):
                     self.stop_event.wait(max(0.0, next_at - time.monotonic()))
         except BaseException as exc:  # reported by the caller
             self.error = exc
+
+
+def insert_messages(conn: psycopg.Connection[Any], queue: str, payload: str, n: int) -> None:
+    """``n`` copies of the message ``payload`` into ``queue``, each with a fresh task id, in one
+    statement: the rows ``publish`` writes, without the publisher's CPU."""
+    conn.execute(_INSERT, {"queue": queue, "payload": payload, "task": TASK, "n": n})
+
+
+def noop_worker(broker_url: str, queue: str, **options: float) -> CeleryWorker:
+    """A ``celery worker`` of ``safetyapp`` (threads pool, 4 threads) consuming ``queue``;
+    ``options`` are transport options (``lease_seconds=30`` ...)."""
+    return CeleryWorker(
+        "safetyapp",
+        broker_url,
+        queues=[queue],
+        pool="threads",
+        concurrency=4,
+        cwd=APPS_DIR,
+        extra_env={f"PGSKIP_OPT_{k.upper()}": str(v) for k, v in options.items()},
+    )
+
+
+def in_fresh_database(server_url: str | None, prefix: str, measure: Callable[[str], T]) -> T:
+    """``measure(url)`` on a new migrated database ``<prefix>_<random>``, dropped afterwards, on
+    the server of the superuser URL ``server_url`` (None: a throwaway embedded PostgreSQL)."""
+    from kombu_pgskip.migrate import migrate
+    from kombu_pgskip.testing.embedded import EmbeddedPostgres
+    from tests.helpers import make_url
+
+    def on(server_dsn: str) -> T:
+        name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(server_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        try:
+            url = make_url(server_dsn, name)
+            migrate(url)
+            return measure(url)
+        finally:
+            with psycopg.connect(server_dsn, autocommit=True) as conn:
+                conn.execute(
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+                )
+
+    if server_url:
+        return on(server_url)
+    with EmbeddedPostgres(fsync=False) as pg:
+        return on(pg.dsn("postgres"))
+
+
+def log_to_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def sample_payload(broker_url: str, queue: str) -> str:
@@ -261,17 +311,8 @@ def run(
     queue = f"held.{uuid.uuid4().hex[:8]}"
     payload = sample_payload(broker_url, queue)
     result = Result(rate=rate, threshold=threshold)
-    worker = CeleryWorker(
-        "safetyapp",
-        broker_url,
-        queues=[queue],
-        pool="threads",
-        concurrency=4,
-        cwd=APPS_DIR,
-        extra_env={
-            "PGSKIP_OPT_XMIN_HORIZON_WARNING": str(threshold),
-            "PGSKIP_OPT_LEASE_SECONDS": str(lease_seconds),
-        },
+    worker = noop_worker(
+        broker_url, queue, xmin_horizon_warning=threshold, lease_seconds=lease_seconds
     )
     load = Load(db_url, queue, payload, rate)
     with psycopg.connect(db_url, autocommit=True) as conn, worker:
@@ -342,42 +383,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", type=int, default=5000)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
-
-    from kombu_pgskip.migrate import migrate
-    from kombu_pgskip.testing.embedded import EmbeddedPostgres
-    from tests.helpers import make_url
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    def measure(server_dsn: str) -> Result:
-        name = f"held_snapshot_{uuid.uuid4().hex[:8]}"
-        with psycopg.connect(server_dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-        try:
-            url = make_url(server_dsn, name)
-            migrate(url)
-            return run(
-                url,
-                rate=args.rate,
-                before=args.before,
-                hold=args.hold,
-                after=args.after,
-                threshold=args.threshold,
-                probe=args.probe,
-                log=log,
-            )
-        finally:
-            with psycopg.connect(server_dsn, autocommit=True) as conn:
-                conn.execute(
-                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-                )
-
-    if args.url:
-        result = measure(args.url)
-    else:
-        with EmbeddedPostgres(fsync=False) as pg:
-            result = measure(pg.dsn("postgres"))
+    result = in_fresh_database(
+        args.url,
+        "held_snapshot",
+        lambda url: run(
+            url,
+            rate=args.rate,
+            before=args.before,
+            hold=args.hold,
+            after=args.after,
+            threshold=args.threshold,
+            probe=args.probe,
+            log=log_to_stderr,
+        ),
+    )
     print(result.table())
     print(f"\nworker warnings ({len(result.warnings)}):")
     for line in result.warnings:

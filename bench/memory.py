@@ -20,7 +20,7 @@ from .workers import StampDir, Worker, new_queue, publish_backlog, publisher_app
 def _waiting_in_broker(broker: Broker, queue: str) -> int | None:
     """How many of the published messages the broker still holds (not delivered)."""
     try:
-        if broker.name.startswith("pgskip") and broker.db_url:
+        if broker.kind == "pgskip" and broker.db_url:
             import psycopg
 
             with psycopg.connect(broker.db_url, autocommit=True) as conn:
@@ -30,16 +30,16 @@ def _waiting_in_broker(broker: Broker, queue: str) -> int | None:
                     (queue,),
                 ).fetchone()
                 return int(row[0]) if row else None
-        if broker.name == "rabbitmq":
+        if broker.kind == "rabbitmq":
             from kombu import Connection
 
             with Connection(broker.url) as conn:
                 return int(conn.channel().queue_declare(queue=queue, passive=True).message_count)
-        if broker.name == "redis":
+        if broker.kind == "redis":
             import redis
 
             return int(redis.Redis.from_url(broker.url or "").llen(queue))
-        if broker.name == "sqlalchemy" and broker.db_url:
+        if broker.kind == "sqlalchemy" and broker.db_url:
             import psycopg
 
             with psycopg.connect(broker.db_url, autocommit=True) as conn:

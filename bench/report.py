@@ -6,13 +6,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-BROKERS = ("pgskip", "rabbitmq", "redis", "sqlalchemy")
+#: The table's broker columns, in order.
+BROKERS = ("pgskip", "rabbitmq", "rabbitmq-confirm", "redis", "redis-fsync", "sqlalchemy")
+#: The peers pgskip's figure is divided by in the table's ratio columns.
+RATIO_PEERS = ("rabbitmq", "rabbitmq-confirm", "redis", "redis-fsync")
 NAMES = {
     "pgskip": "pgskip",
     "pgskip-async": "pgskip (async-commit publisher)",
     "pgskip-apply_async_in": "pgskip apply_async_in",
     "rabbitmq": "RabbitMQ",
+    "rabbitmq-confirm": "RabbitMQ confirms",
     "redis": "Redis",
+    "redis-fsync": "Redis fsync",
     "sqlalchemy": "SQLAlchemy",
 }
 COLORS = {
@@ -20,7 +25,9 @@ COLORS = {
     "pgskip-async": "#6a9bc3",
     "pgskip-apply_async_in": "#6a9bc3",
     "rabbitmq": "#ff6600",
+    "rabbitmq-confirm": "#a34400",
     "redis": "#d82c20",
+    "redis-fsync": "#7a1710",
     "sqlalchemy": "#777777",
 }
 
@@ -57,23 +64,29 @@ def _first_run(section: Any) -> dict[str, Any]:
 
 
 def rows(data: dict[str, Any]) -> list[list[str]]:
-    """One row per figure: measure, unit, pgskip, RabbitMQ, Redis, SQLAlchemy, ratios, target."""
+    """One row per figure: measure, unit, one column per broker (:data:`BROKERS`), pgskip's
+    ratio to each of :data:`RATIO_PEERS` (rates only), target, met."""
     r = data.get("results", {})
     out: list[list[str]] = []
 
     def row(label: str, unit: str, vals: dict[str, Any], target: str = "", met: str = "") -> None:
-        p, rb, rd = vals.get("pgskip"), vals.get("rabbitmq"), vals.get("redis")
+        p = vals.get("pgskip")
+        rated = unit not in ("ms", "MB", "msgs")
         out.append(
             [
                 label,
                 unit,
                 *(_fmt(vals.get(b), unit) for b in BROKERS),
-                _ratio(p, rb) if unit not in ("ms", "MB", "msgs") else "-",
-                _ratio(p, rd) if unit not in ("ms", "MB", "msgs") else "-",
+                *(_ratio(p, vals.get(b)) if rated else "-" for b in RATIO_PEERS),
                 target,
                 met,
             ]
         )
+
+    def single(label: str, unit: str, value: str, target: str) -> None:
+        """A pgskip-only row whose value is text."""
+        empty = len(BROKERS) - 1 + len(RATIO_PEERS)
+        out.append([label, unit, value, *(["-"] * empty), target, ""])
 
     def yes(ok: bool | None) -> str:
         return "-" if ok is None else ("yes" if ok else "no")
@@ -136,6 +149,13 @@ def rows(data: dict[str, Any]) -> list[list[str]]:
             f"<= {limit:g} ms",
             yes(None if p is None else p <= limit),
         )
+        a = _get(r, "latency", "pgskip-async", "median", q)
+        if a is not None:
+            row(
+                f"2. latency apply_async -> start, {q[:3]}, pgskip async-commit publisher (opt-in)",
+                "ms",
+                {"pgskip": a, "rabbitmq": lat.get("rabbitmq"), "redis": lat.get("redis")},
+            )
         spin = {b: _get(r, "latency", f"spin:{b}", "median", q) for b in BROKERS}
         if any(v is not None for v in spin.values()):
             p3 = spin.get("pgskip")
@@ -227,37 +247,21 @@ def rows(data: dict[str, Any]) -> list[list[str]]:
         st = _first_run(_get(r, key))
         if not st.get("messages"):
             continue
-        out.append(
-            [
-                f"7. steady state{how}: max table+indexes",
-                "MB",
-                _fmt(st.get("max_total_mb"), "MB"),
-                "-",
-                "-",
-                "-",
-                "-",
-                "-",
-                f"{st['messages']:,} messages, {st.get('pruning', '')}",
-                "",
-            ]
+        single(
+            f"7. steady state{how}: max table+indexes",
+            "MB",
+            _fmt(st.get("max_total_mb"), "MB"),
+            f"{st['messages']:,} messages, {st.get('pruning', '')}",
         )
         ps, pe = (
             _get(st, "probe_start", "fetch100_ms_p50"),
             _get(st, "probe_end", "fetch100_ms_p50"),
         )
-        out.append(
-            [
-                f"7. steady state{how}: fetch of 100, p50 at start -> end",
-                "ms",
-                f"{_fmt(ps, 'ms')} -> {_fmt(pe, 'ms')}",
-                "-",
-                "-",
-                "-",
-                "-",
-                "-",
-                "equal",
-                "",
-            ]
+        single(
+            f"7. steady state{how}: fetch of 100, p50 at start -> end",
+            "ms",
+            f"{_fmt(ps, 'ms')} -> {_fmt(pe, 'ms')}",
+            "equal",
         )
     return out
 
@@ -265,15 +269,93 @@ def rows(data: dict[str, Any]) -> list[list[str]]:
 HEADER = [
     "measure",
     "unit",
-    "pgskip",
-    "RabbitMQ",
-    "Redis",
-    "SQLAlchemy",
-    "pgskip/RabbitMQ",
-    "pgskip/Redis",
+    *(NAMES[b] for b in BROKERS),
+    *(f"pgskip/{NAMES[b]}" for b in RATIO_PEERS),
     "target",
     "met",
 ]
+
+#: The figures :func:`ratios` divides: (key, unit, path under ``results`` to the per-broker
+#: measurements, prefix of the broker's key there, figure in each ``median``).
+RATIO_MEASURES: tuple[tuple[str, str, tuple[str, ...], str, str], ...] = (
+    ("end_to_end.rate", "tasks/s", ("end_to_end",), "", "rate"),
+    ("end_to_end.publish_rate", "calls/s", ("end_to_end",), "", "publish_rate"),
+    ("latency.p50_ms", "ms", ("latency",), "", "p50_ms"),
+    ("latency.p99_ms", "ms", ("latency",), "", "p99_ms"),
+    ("latency.spin.p50_ms", "ms", ("latency",), "spin:", "p50_ms"),
+    ("latency.spin.p99_ms", "ms", ("latency",), "spin:", "p99_ms"),
+    ("worker_side.threads4.rate", "tasks/s", ("worker_side", "threads4"), "", "rate"),
+    ("worker_side.prefork2.rate", "tasks/s", ("worker_side", "prefork2"), "", "rate"),
+    (
+        "worker_side.threads4_acks_late.rate",
+        "tasks/s",
+        ("worker_side", "threads4_acks_late"),
+        "",
+        "rate",
+    ),
+    ("raw_kombu.publish_rate", "msg/s", ("raw_kombu",), "", "publish_rate"),
+    ("raw_kombu.consume_rate", "msg/s", ("raw_kombu",), "", "consume_rate"),
+)
+#: (numerator, denominator) of each ratio: pgskip's durable publish against the durable peers
+#: and against the peers that return before the disk, and the async-commit publisher against
+#: the latter.
+RATIO_PAIRS = (
+    ("pgskip", "rabbitmq-confirm"),
+    ("pgskip", "redis-fsync"),
+    ("pgskip", "rabbitmq"),
+    ("pgskip", "redis"),
+    ("pgskip-async", "rabbitmq"),
+    ("pgskip-async", "redis"),
+)
+
+
+def ratios(data: dict[str, Any]) -> dict[str, Any]:
+    """pgskip's figures over each peer's (:data:`RATIO_PAIRS`), per measure of
+    :data:`RATIO_MEASURES` that both sides have, keyed ``"pgskip/redis-fsync"`` and so on;
+    ``higher_is_better`` tells how to read them (false for latencies). ``publish_floor``: one
+    durable pgskip ``apply_async`` over a bare INSERT and its commit of the same payload."""
+    r = data.get("results", {})
+    out: dict[str, Any] = {}
+    for key, unit, path, prefix, figure in RATIO_MEASURES:
+        section = _get(r, *path)
+        if not isinstance(section, dict):
+            continue
+        entry: dict[str, Any] = {}
+        for a, b in RATIO_PAIRS:
+            va = _get(section, prefix + a, "median", figure)
+            vb = _get(section, prefix + b, "median", figure)
+            if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and vb:
+                entry[f"{a}/{b}"] = round(va / vb, 3)
+        if entry:
+            out[key] = {"unit": unit, "higher_is_better": unit != "ms", **entry}
+    pb = _get(r, "publish_breakdown", "median") or {}
+    if pb.get("apply_async_over_floor") is not None:
+        out["publish_floor"] = {
+            "apply_async_us": pb.get("floor_apply_async_us"),
+            "insert_autocommit_us": pb.get("floor_insert_autocommit_us"),
+            "insert_then_commit_us": pb.get("floor_insert_then_commit_us"),
+            "apply_async/floor": pb.get("apply_async_over_floor"),
+        }
+    return out
+
+
+def ratio_rows(data: dict[str, Any]) -> list[list[str]]:
+    """:func:`ratios` as table rows: measure, unit, one column per pair of :data:`RATIO_PAIRS`."""
+    body = []
+    for key, entry in ratios(data).items():
+        if key == "publish_floor":
+            continue
+        body.append(
+            [
+                key,
+                entry["unit"],
+                *(
+                    f"{v:.2f}x" if isinstance(v := entry.get(f"{a}/{b}"), float) else "-"
+                    for a, b in RATIO_PAIRS
+                ),
+            ]
+        )
+    return body
 
 
 def ceilings_rows(data: dict[str, Any]) -> list[list[str]]:
@@ -326,6 +408,14 @@ def table(data: dict[str, Any]) -> str:
         "\nPostgreSQL ceilings (rows/s, same cluster, fsync on):\n",
         _md(["SQL", "rows/s"], ceilings_rows(data)),
     ]
+    body = ratio_rows(data)
+    if body:
+        parts.append(
+            "\npgskip's figure over each peer's (RabbitMQ confirms and Redis fsync have a "
+            "publish on disk when it returns, as pgskip; RabbitMQ and Redis do not). For rates "
+            "above 1.00x is pgskip ahead, for ms below 1.00x is:\n"
+        )
+        parts.append(_md(["measure", "unit", *(f"{a}/{b}" for a, b in RATIO_PAIRS)], body))
     pb = _get(data, "results", "publish_breakdown", "median")
     if pb:
         parts.append(
@@ -337,6 +427,16 @@ def table(data: dict[str, Any]) -> str:
             f"the publish statement alone {pb.get('statement_sync_us')} "
             f"(async commit {pb.get('statement_async_us')})"
         )
+        if pb.get("apply_async_over_floor") is not None:
+            parts.append(
+                "Floor of one durable publish (interleaved with the same apply_async, "
+                f"{_fmt(pb.get('floor_calls'))} calls each, "
+                f"{_fmt(pb.get('floor_payload_bytes'))}-byte payload), microseconds: "
+                f"apply_async {pb.get('floor_apply_async_us')}, bare psycopg INSERT in "
+                f"autocommit {pb.get('floor_insert_autocommit_us')}, INSERT then COMMIT "
+                f"{pb.get('floor_insert_then_commit_us')}; apply_async / floor = "
+                f"{pb['apply_async_over_floor']:.2f}x"
+            )
     for e in data.get("errors", []):
         parts.append(f"ERROR in {e.get('what')}: {e.get('error')}")
     return "\n".join(parts) + "\n"
@@ -378,7 +478,15 @@ def charts(data: dict[str, Any], out_dir: Path, dpi: int = 90) -> list[Path]:
 
     # 1. Celery throughput
     if r.get("worker_side") or r.get("end_to_end"):
-        keys = ["pgskip", "pgskip-async", "rabbitmq", "redis", "sqlalchemy"]
+        keys = [
+            "pgskip",
+            "pgskip-async",
+            "rabbitmq",
+            "rabbitmq-confirm",
+            "redis",
+            "redis-fsync",
+            "sqlalchemy",
+        ]
         groups = [
             (
                 "worker side\nthreads -c 4",
@@ -409,15 +517,19 @@ def charts(data: dict[str, Any], out_dir: Path, dpi: int = 90) -> list[Path]:
                 "pgskip-apply_async_in",
                 "pgskip-async",
                 "rabbitmq",
+                "rabbitmq-confirm",
                 "redis",
+                "redis-fsync",
                 "spin:pgskip",
                 "spin:rabbitmq",
+                "spin:rabbitmq-confirm",
                 "spin:redis",
+                "spin:redis-fsync",
                 "sqlalchemy",
             )
             if k in r["latency"]
         ]
-        fig, ax = plt.subplots(figsize=(8, 4))
+        fig, ax = plt.subplots(figsize=(max(8.0, 0.8 * len(keys)), 4))
         for q, off, hatch in (("p50_ms", -0.2, ""), ("p99_ms", 0.2, "//")):
             ys = [_get(r, "latency", k, "median", q) or 0 for k in keys]
             b = ax.bar(
@@ -449,7 +561,15 @@ def charts(data: dict[str, Any], out_dir: Path, dpi: int = 90) -> list[Path]:
 
     # 3/4. Raw kombu against the SQL ceilings
     if r.get("raw_kombu"):
-        keys = ["pgskip", "pgskip-async", "rabbitmq", "redis", "sqlalchemy"]
+        keys = [
+            "pgskip",
+            "pgskip-async",
+            "rabbitmq",
+            "rabbitmq-confirm",
+            "redis",
+            "redis-fsync",
+            "sqlalchemy",
+        ]
         groups = [
             (
                 "publish (durable)",

@@ -5,7 +5,8 @@ Measurements (``--only`` takes these names, comma-separated):
   raw_sql            PostgreSQL ceilings: durable INSERT, SKIP LOCKED dequeue of 100 (batched
                      vs per-row acks, 1 and 4 clients), pgskip's own fetch/ack statements
   raw_kombu          kombu publish (durable) and consume+ack with prefetch 100, per broker
-  publish_breakdown  where one durable pgskip apply_async spends its time
+  publish_breakdown  where one durable pgskip apply_async spends its time, and its ratio to
+                     a bare psycopg INSERT + commit of the same payload (the floor)
   worker_side        Celery: backlog first, then the worker starts (-P threads -c 4 and
                      -P prefork -c 2; and -P threads -c 4 with task_acks_late and
                      worker_prefetch_multiplier 1, and with Celery's defaults: remote
@@ -22,10 +23,14 @@ Measurements (``--only`` takes these names, comma-separated):
   memory             worker RSS while tasks with a one-hour countdown arrive
   steady_state       messages through pgskip with pruning: table size and fetch latency
 
-Brokers: pgskip, pgskip-async (publisher with synchronous_commit=off), rabbitmq, redis,
-sqlalchemy. ``--brokers`` restricts them. Figures are printed as a table and written to
-``DIR/results-<mode>-<time>.json`` (and ``DIR/latest-<mode>.json``) with PNG charts beside.
-Nothing is asserted.
+Brokers: pgskip, pgskip-async (publisher with synchronous_commit=off), rabbitmq (no
+publisher confirms), rabbitmq-confirm (publisher confirms, persistent messages), redis (as
+configured on 6379), redis-fsync (a redis-server of the run's own with appendonly yes and
+appendfsync always), sqlalchemy. ``--brokers`` restricts them. raw_kombu, worker_side,
+end_to_end and latency measure the durable peers (rabbitmq-confirm, redis-fsync) beside the
+others. Figures are printed as a table and written to ``DIR/results-<mode>-<time>.json`` (and
+``DIR/latest-<mode>.json``, with pgskip's ratios to each peer under ``ratios``) with PNG charts
+beside. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -58,6 +63,20 @@ ALL = (
     "steady_state",
 )
 CELERY_BROKERS = ("pgskip", "rabbitmq", "redis", "sqlalchemy")
+#: The peers configured to have a publish on disk when it returns, as pgskip's durable publish.
+DURABLE_PEERS = ("rabbitmq-confirm", "redis-fsync")
+#: Brokers of the worker side: each with a worker of its own (the scaling curve and memory
+#: keep to CELERY_BROKERS).
+WORKER_SIDE_BROKERS = (
+    "pgskip",
+    "rabbitmq",
+    "rabbitmq-confirm",
+    "redis",
+    "redis-fsync",
+    "sqlalchemy",
+)
+#: Brokers of raw kombu and end to end: pgskip's two publishers, and every peer.
+PUBLISH_BROKERS = ("pgskip", "pgskip-async", *WORKER_SIDE_BROKERS[1:])
 # Staying small: (result key, autovacuum_naptime, keep_completed).
 STEADY_STATES = (
     ("steady_state", None, True),
@@ -164,7 +183,7 @@ class Runner:
         from .raw import kombu_publish_consume
 
         out: dict[str, Any] = {}
-        for name in ("pgskip", "pgskip-async", "rabbitmq", "redis", "sqlalchemy"):
+        for name in PUBLISH_BROKERS:
             b = self.broker(name)
             if b is None:
                 continue
@@ -217,9 +236,10 @@ class Runner:
             key = f"{pool}{conc}" + ("_acks_late" if acks_late else "")
             key += "_defaults" if defaults else ""
             out[key] = {}
-            for name in CELERY_BROKERS:
+            for name in WORKER_SIDE_BROKERS:
                 b = self.broker(name)
-                if b is None or (defaults and b.slow):
+                # With Celery's defaults: pgskip, RabbitMQ and Redis as they are.
+                if b is None or (defaults and (b.slow or name in DURABLE_PEERS)):
                     continue
                 n = self.mode.backlog_slow if b.slow else self.mode.backlog
                 late = ", acks_late, prefetch multiplier 1" if acks_late else ""
@@ -242,7 +262,7 @@ class Runner:
         from .celery_bench import end_to_end
 
         out: dict[str, Any] = {}
-        for name in ("pgskip", "pgskip-async", "rabbitmq", "redis", "sqlalchemy"):
+        for name in PUBLISH_BROKERS:
             b = self.broker(name)
             if b is None:
                 continue
@@ -296,12 +316,16 @@ class Runner:
             ("pgskip-apply_async_in", "pgskip", True, False),
             ("pgskip-async", "pgskip-async", False, False),
             ("rabbitmq", "rabbitmq", False, False),
+            ("rabbitmq-confirm", "rabbitmq-confirm", False, False),
             ("redis", "redis", False, False),
+            ("redis-fsync", "redis-fsync", False, False),
             ("sqlalchemy", "sqlalchemy", False, False),
             # The publisher busy-waits between samples: no publisher wake-up in the figure.
             ("spin:pgskip", "pgskip", False, True),
             ("spin:rabbitmq", "rabbitmq", False, True),
+            ("spin:rabbitmq-confirm", "rabbitmq-confirm", False, True),
             ("spin:redis", "redis", False, True),
+            ("spin:redis-fsync", "redis-fsync", False, True),
         ]
         for key, name, in_txn, spin in configs:
             b = self.broker(name)
@@ -413,7 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--short", action="store_true", help="one run each, small sizes (< 3 min)")
     group.add_argument("--full", action="store_true", help="medians of 3 runs, full sizes")
     parser.add_argument("--only", default="", help="comma-separated measurement names")
-    parser.add_argument("--brokers", default="", help="comma-separated broker names")
+    parser.add_argument(
+        "--brokers",
+        default="",
+        help="comma-separated broker names (pgskip, pgskip-async, rabbitmq, rabbitmq-confirm, "
+        "redis, redis-fsync, sqlalchemy)",
+    )
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument(
         "--load-wait", type=float, default=None, help="max seconds to wait for a quiet machine"
@@ -443,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": {k: v for k, v in vars(mode).items() if k != "name"},
         "loadavg_at_start": [round(x, 2) for x in __import__("os").getloadavg()],
     }
-    with BenchEnv() as env:
+    with BenchEnv(want=brokers) as env:
         meta["postgres"] = env.pg_settings
         meta["brokers"] = {
             n: {"label": b.label, "available": b.available, "reason": b.reason, "url": _safe(b.url)}
@@ -456,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
             log("interrupted: writing what was measured")
     meta["duration_s"] = round(time.time() - started, 1)
     meta["loadavg_at_end"] = [round(x, 2) for x in __import__("os").getloadavg()]
-    data = {"meta": meta, "results": runner.results, "errors": runner.errors}
+    data: dict[str, Any] = {"meta": meta, "results": runner.results, "errors": runner.errors}
+    data["ratios"] = report.ratios(data)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
     path = out_dir / f"results-{mode.name}-{stamp}.json"
     path.write_text(json.dumps(data, indent=1, default=str))

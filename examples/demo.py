@@ -1,4 +1,4 @@
-"""The kombu-pgskip demo: a throwaway PostgreSQL, a real worker, transactional orders, a pg_cron tick.
+"""The kombu-pgskip demo: a throwaway PostgreSQL, a real worker, orders, a pg_cron tick.
 
 Run it with ``bash scripts/demo.sh`` (installs what it needs), or ``python -m examples.demo``
 from the repo root. By default it starts its own PostgreSQL cluster in a temporary directory
@@ -99,7 +99,9 @@ def place_orders(db_url: str, count: int) -> tuple[set[int], int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--url", help="use this PostgreSQL (superuser URL) instead of a throwaway one")
+    parser.add_argument(
+        "--url", help="use this PostgreSQL (superuser URL) instead of a throwaway one"
+    )
     parser.add_argument("--orders", type=int, default=30)
     parser.add_argument("--no-cron", action="store_true", help="skip the pg_cron tick (~1 min)")
     args = parser.parse_args(argv)

@@ -27,7 +27,7 @@ from . import policy as fetch_policy
 from .envelope import decode_problem, make_tag, to_message
 from .policy import FetchPolicy, Next, Wake
 from .poller import Poller, Ready
-from .store import FetchedRow, fetch_filled
+from .store import START, FetchedRow, fetch_filled, last_positions
 
 if TYPE_CHECKING:
     from .channel import Channel
@@ -147,7 +147,7 @@ class Dispatcher:
             if call.should_fetch(now, promoted=promoted):
                 delivered = self.deliver_batch()
                 more = policy.more_due or any(c.fetch_state.starved for c in self._channels())
-                call.fetched(time.monotonic(), more_due=more)
+                call.fetched(time.monotonic(), more_due=more, full_scan_at=policy.full_scan_owed_at)
                 if delivered:
                     return
                 now = time.monotonic()
@@ -300,8 +300,15 @@ class Dispatcher:
         after = self.policy.after_loop_fetch(channel.fetch_state, acks_waiting=bool(channel.acks))
         if after is Next.DRAIN or (after is Next.AFTER_COOLDOWN and self._cooldown_left() <= 0):
             self._queue_drain()
+        elif after is Next.FULL_SCAN:
+            self._queue_full_scan(self.policy.full_scan_at(channel.fetch_state))
         elif after is Next.FLUSH_ACKS:
             self._queue_ack_flush()
+
+    def _queue_full_scan(self, at: float) -> None:
+        """Fetch at ``at`` (monotonic s), when a scan from the beginning that a channel owes
+        is due."""
+        self.poller.call_later_once("full_scan", max(0.0, at - time.monotonic()), self.loop_drain)
 
     def loop_drain(
         self, only: set[str] | None = None, max_batches: int = 10, *, eager: bool = False
@@ -324,6 +331,8 @@ class Dispatcher:
             delivered = self.deliver_batch(only, eager=eager)
             if self.policy.refill_deferred:
                 poller.call_later_once("refill", fetch_policy.REFILL_DELAY, self.refill)
+            if self.policy.full_scan_owed_at is not None:
+                self._queue_full_scan(self.policy.full_scan_owed_at)
             if not delivered or not self.policy.more_due:
                 # Nothing, or less than asked for: the queues are drained for now, and what
                 # was delivered reaches the pool before any further round trip.
@@ -339,6 +348,7 @@ class Dispatcher:
     def deliver_batch(self, only: set[str] | None = None, *, eager: bool = True) -> bool:
         """Fetch and deliver one batch per consuming channel (those consuming ``only``)."""
         delivered = deferred = more = False
+        owed: list[float] = []
         # Channels with no-ack consumers first: remote control (a revoke, a rate limit) is
         # handled before task messages published after it, as Celery expects.
         for channel in sorted(self._channels(), key=lambda c: not c.no_ack_queues):
@@ -352,10 +362,15 @@ class Dispatcher:
             for row in self._fetch(channel, eager=eager):
                 delivered = True
                 self._deliver_row(channel, row)
-            deferred = deferred or channel.fetch_state.refill_deferred
-            more = more or channel.fetch_state.more_due
+            state = channel.fetch_state
+            deferred = deferred or state.refill_deferred
+            more = more or state.more_due
+            in_flight = channel.fetcher is not None and channel.fetcher.in_flight
+            if state.full_owed and not state.more_due and not in_flight:
+                owed.append(self.policy.full_scan_at(state))
         self.policy.refill_deferred = deferred
         self.policy.more_due = more
+        self.policy.full_scan_owed_at = min(owed, default=None)
         return delivered
 
     def _fetch(self, channel: Channel, *, eager: bool) -> list[FetchedRow]:
@@ -393,6 +408,10 @@ class Dispatcher:
         store = self.transport.consumer_store
         max_bytes = self.options.fetch_max_bytes
         out: list[FetchedRow] = []
+        now = time.monotonic()
+        after = self.policy.scan_after(state, ack_queues, now)
+        starts = [state.positions.get(q, START) for q in ack_queues] if after else None
+        self.policy.scanning(state, now, after=after)
         if noack_queues and self.policy.fetches_noack(state, with_ack_queues=bool(ack_queues)):
             out += store.fetch(
                 noack_queues, limit, channel.consumer_id, no_ack=True, max_bytes=max_bytes
@@ -406,7 +425,12 @@ class Dispatcher:
             if fetcher is not None:
                 with acks.writing(pairs):
                     fetcher.send(
-                        pairs, ack_queues, limit, channel.consumer_id, self._urgent_queues()
+                        pairs,
+                        ack_queues,
+                        limit,
+                        channel.consumer_id,
+                        self._urgent_queues(),
+                        after=starts,
                     )
                 acks.sent_with_fetch(pairs)
                 self.policy.sent(state, time.monotonic())
@@ -416,11 +440,22 @@ class Dispatcher:
                 return []
             with acks.writing(pairs):
                 done, rows = store.ack_fetch(
-                    pairs, ack_queues, limit - len(out), channel.consumer_id, max_bytes=max_bytes
+                    pairs,
+                    ack_queues,
+                    limit - len(out),
+                    channel.consumer_id,
+                    max_bytes=max_bytes,
+                    after=starts,
                 )
             acks.written(len(pairs), done)
             out += rows
-        self.policy.fetched(state, took=len(out), filled=fetch_filled(out, limit))
+        self.policy.fetched(
+            state,
+            took=len(out),
+            filled=fetch_filled(out, limit),
+            now=time.monotonic(),
+            last=last_positions([r for r in out if r.queue not in channel.no_ack_queues]),
+        )
         return out
 
     def _wait_fetch(self, channel: Channel, fetcher: AsyncFetcher) -> list[FetchedRow]:
@@ -438,7 +473,13 @@ class Dispatcher:
     ) -> list[FetchedRow]:
         acked, rows, limit = result
         channel.acks.fetch_returned(acked)
-        self.policy.fetched(channel.fetch_state, took=len(rows), filled=fetch_filled(rows, limit))
+        self.policy.fetched(
+            channel.fetch_state,
+            took=len(rows),
+            filled=fetch_filled(rows, limit),
+            now=time.monotonic(),
+            last=last_positions(rows),
+        )
         return rows
 
     def release(self, channel: Channel) -> None:

@@ -26,12 +26,23 @@ from psycopg import pq
 from . import exceptions
 from .libpq import array_literal, positional, result_error
 from .sql import queries_for
-from .store import FETCH_MAX_BYTES, FetchedRow, fetched_rows
+from .store import FETCH_MAX_BYTES, FetchedRow, Position, fetched_rows, scan_params
 from .urls import connect, mask_url
 
 logger = logging.getLogger(__name__)
 
-_PARAMS = ("ids", "deliveries", "queues", "limit", "max_bytes", "consumer", "urgent")
+_PARAMS = (
+    "ids",
+    "deliveries",
+    "queues",
+    "limit",
+    "max_bytes",
+    "consumer",
+    "urgent",
+    "after_priority",
+    "after_run_at",
+    "after_id",
+)
 
 
 class AsyncFetcher:
@@ -129,10 +140,12 @@ class AsyncFetcher:
         limit: int,
         consumer: uuid.UUID,
         urgent: Sequence[str] = (),
+        after: Sequence[Position] | None = None,
     ) -> None:
         """Ack ``tags`` ((id, delivery token) pairs) and ask for up to ``limit`` messages of
-        ``queues``; do not wait. :attr:`urgent` then says whether a due message waits in one
-        of the queues ``urgent`` (read in the fetch's snapshot; not fetched)."""
+        ``queues``, each scanned after the position given for it in ``after`` (default: from
+        the beginning); do not wait. :attr:`urgent` then says whether a due message waits in
+        one of the queues ``urgent`` (read in the fetch's snapshot; not fetched)."""
         if self._sent is not None:
             raise RuntimeError("a fetch is already in flight")
         pgconn = self._pgconn()
@@ -145,6 +158,7 @@ class AsyncFetcher:
             "consumer": str(consumer).encode(),
             "urgent": array_literal(list(urgent)),
         }
+        values |= {k: array_literal(v) for k, v in scan_params(queues, after).items()}
         params = [values[n] for n in self._order]
         try:
             with self._classifying:
@@ -222,6 +236,7 @@ class AsyncFetcher:
                         int(value(i, 8) or 0),  # round-robin rank
                         int(value(i, 9) or 0),  # delivery token
                         value(i, 10) == b"t",  # budget_full
+                        (value(i, 12) or b"").decode(),  # run_at, as text
                     )
                 )
         self.urgent = urgent

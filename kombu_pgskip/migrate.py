@@ -521,7 +521,7 @@ class _Runner:
 
     def run(self) -> list[str]:
         conn = self.conn
-        conn.execute("SELECT pg_advisory_lock(%s)", (_lock_key(self.schema),))
+        self._take_runner_lock()
         try:
             done = applied_migrations(conn, self.schema)
             self._correct_claims(done)
@@ -541,6 +541,21 @@ class _Runner:
             if not conn.closed and not conn.broken:
                 with contextlib.suppress(psycopg.Error):  # closing the connection unlocks too
                     conn.execute("SELECT pg_advisory_unlock(%s)", (_lock_key(self.schema),))
+
+    def _take_runner_lock(self) -> None:
+        """Wait for the advisory lock that serialises runners, by trying it again and again:
+        a session blocked in ``pg_advisory_lock`` keeps a snapshot open, which a ``CREATE INDEX
+        CONCURRENTLY`` of the runner holding the lock waits for (a deadlock PostgreSQL breaks
+        by failing one of them)."""
+        pause = 0.05
+        while True:
+            row = self.conn.execute(
+                "SELECT pg_try_advisory_lock(%s)", (_lock_key(self.schema),)
+            ).fetchone()
+            if row is not None and row[0]:
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     def _failure(self, m: Migration, later: Sequence[Migration], why: str) -> str:
         rest = f"; {', '.join(n.label for n in later)} did not run" if later else ""

@@ -19,6 +19,15 @@ statements are :mod:`~kombu_pgskip.poller`'s and :mod:`~kombu_pgskip.dispatch`'s
 * **Acks ride along.** Queued acks wait (``ACK_FLUSH_DELAY`` at most) for a fetch to carry
   them; outside an event loop they stop waiting when notifications lately came further apart
   than that (:class:`DrainCall`).
+* **Where a scan starts.** A fetch scans its queues from the beginning, where every message
+  taken while another session holds an old snapshot leaves a dead index entry that cannot be
+  removed (``sql/consume.sql``, ``due``). Once such a scan takes more than twice the cheapest
+  one the channel has seen, and ``FULL_SCAN_EXCESS`` more at least, fetches scan each queue
+  after the last message they took there instead; a scan from the beginning, which finds what
+  became due behind those positions, goes out only once ``FULL_SCAN_SPACING`` times its
+  duration has passed, so that such scans take at most a fifth of the time. A channel never
+  goes idle on a scan from its positions that came back short: one from the beginning follows,
+  when due.
 * **No-ack queues** (remote control, events) are fetched when due: a notification for one,
   the poll, a promotion, a new consumer, or a task fetch that saw a message waiting in one.
   Only in the event loop with notifications and task fetches that tell; elsewhere, every time.
@@ -27,11 +36,13 @@ statements are :mod:`~kombu_pgskip.poller`'s and :mod:`~kombu_pgskip.dispatch`'s
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .options import Options
+    from .store import Position
 
 #: Seconds the event loop waits before a small refill (less than half the prefetch window free
 #: while the rest is still held): acks freeing more credit meanwhile make one larger fetch.
@@ -43,6 +54,17 @@ REFILL_DELAY = 0.001
 #: later does. Unwritten acks only delay a row's ``completed``: a crash meanwhile redelivers,
 #: never loses.
 ACK_FLUSH_DELAY = 0.005
+
+#: A channel scans its queues from the beginning again once this many times the duration of its
+#: last such scan has passed since it ended, and in between from where its last fetch of each
+#: queue stopped: scans from the beginning take at most 1 / (1 + FULL_SCAN_SPACING) of the time,
+#: and a message due behind the positions waits at most that long.
+FULL_SCAN_SPACING = 4.0
+
+#: Fetches scan after their positions only while the last scan from the beginning took more
+#: than twice the cheapest one the channel has seen, and at least this many seconds more: dead
+#: entries slow it down, whereas a round trip alone, or a busy machine's noise, does not.
+FULL_SCAN_EXCESS = 0.002
 
 #: How much longer than ``polling_interval`` the worker waits, at most, before looking for
 #: scheduled messages to promote when none is known to be due.
@@ -94,12 +116,24 @@ class ChannelState:
     #: notification had come since the fetch before (then what it finds adapts the cooldown).
     sent_wake_seq: int = 0
     notified_fetch: bool = False
+    #: Where its next fetch of each queue may start: the last message it took there.
+    positions: dict[str, Position] = field(default_factory=dict)
+    #: Its fetch in flight scans after ``positions`` (else from the beginning).
+    scans_after: bool = False
+    #: When its last scan from the beginning was sent, and how long it took (monotonic s).
+    full_sent: float = float("-inf")
+    full_cost: float = 0.0
+    full_floor: float = float("inf")
+    #: Its last fetch scanned after the positions and came back short: one from the beginning
+    #: is owed (at :meth:`FetchPolicy.full_scan_at`) before it may wait for a wake-up.
+    full_owed: bool = False
 
 
 class Next(enum.Enum):
     """What the event loop does once a fetch's rows are delivered."""
 
     DRAIN = "drain"  # the fetch filled its limit: more may be due now
+    FULL_SCAN = "full_scan"  # a scan from the beginning is owed, at full_scan_at()
     AFTER_COOLDOWN = "after_cooldown"  # a notification came while it was in flight
     FLUSH_ACKS = "flush_acks"  # acks came in while it was in flight
     NOTHING = "nothing"
@@ -134,9 +168,10 @@ class FetchPolicy:
     #: A wake-up asked for a fetch (not only for acks to be written).
     fetch_wanted: bool = False
     #: What the last batch over every channel found: a channel filled its limit; a channel put
-    #: a small refill off.
+    #: a small refill off; the earliest scan from the beginning a channel owes (monotonic s).
     more_due: bool = False
     refill_deferred: bool = False
+    full_scan_owed_at: float | None = None
     #: ``drain_events``: the last batch drained the queues, so the next call waits for a
     #: notification before fetching; when to fetch for want of one; whether, lately, a
     #: notification came within ACK_FLUSH_DELAY of a call that had acks to write (then they
@@ -192,16 +227,57 @@ class FetchPolicy:
         a no-ack queue has a message waiting."""
         return state.noack_due or with_ack_queues or not self.skips_noack()
 
+    def full_scan_at(self, state: ChannelState) -> float:
+        """When the channel's next scan from the beginning is due (monotonic s)."""
+        return state.full_sent + (1.0 + FULL_SCAN_SPACING) * state.full_cost
+
+    def scan_after(self, state: ChannelState, queues: list[str], now: float) -> bool:
+        """Whether the channel's fetch of ``queues`` (sent at ``now``) scans after their
+        positions; False: from the beginning. A queue with no position is scanned from its
+        beginning either way."""
+        floor = state.full_floor
+        if state.full_cost <= floor + max(floor, FULL_SCAN_EXCESS):
+            return False
+        if not any(q in state.positions for q in queues):
+            return False
+        return now < self.full_scan_at(state) - self.FULL_SCAN_EARLY
+
+    #: A timer set for a full scan may fire this much early (seconds) and still send it.
+    FULL_SCAN_EARLY = 0.001
+
+    def scanning(self, state: ChannelState, now: float, *, after: bool) -> None:
+        """The channel's fetch goes out at ``now``; ``after``: it scans after the positions."""
+        state.scans_after = after
+        if not after:
+            state.full_sent = now
+
     def sent(self, state: ChannelState, now: float) -> None:
         """The channel's fetch was sent (on a fetch connection) at ``now``."""
         state.notified_fetch = state.sent_wake_seq != self.wake_seq
         state.sent_wake_seq = self.wake_seq
         self.last_fetch = now
 
-    def fetched(self, state: ChannelState, *, took: int, filled: bool) -> None:
-        """The channel's fetch came back with ``took`` rows; ``filled``: it stopped at its
-        limit or byte budget, so due messages may be left behind."""
+    def fetched(
+        self,
+        state: ChannelState,
+        *,
+        took: int,
+        filled: bool,
+        now: float,
+        last: Mapping[str, Position] | None = None,
+    ) -> None:
+        """The channel's fetch came back at ``now`` with ``took`` rows; ``filled``: it stopped
+        at its limit or byte budget, so due messages may be left behind; ``last``: the
+        position of the last message it took from each queue."""
         state.more_due = state.starved = filled
+        if state.scans_after:
+            state.full_owed = state.full_owed or not filled
+        else:
+            state.full_cost = max(0.0, now - state.full_sent)
+            state.full_floor = min(state.full_floor, state.full_cost)
+            state.full_owed = False
+        if last:
+            state.positions.update(last)
         if state.notified_fetch:
             state.notified_fetch = False
             self.cooldown.observe(took)
@@ -213,6 +289,8 @@ class FetchPolicy:
             # A notification arrived after the statement was sent (its message may have
             # committed after the fetch's snapshot): fetch again once cooled down.
             return Next.AFTER_COOLDOWN
+        if state.full_owed:
+            return Next.FULL_SCAN
         if acks_waiting:
             return Next.FLUSH_ACKS  # their flush may have fired while the fetch ran
         return Next.NOTHING
@@ -297,13 +375,14 @@ class DrainCall:
             self.fetch_at = now
         return self.fetch_at is not None and now >= self.fetch_at
 
-    def fetched(self, now: float, *, more_due: bool) -> None:
+    def fetched(self, now: float, *, more_due: bool, full_scan_at: float | None = None) -> None:
         """A batch was fetched and delivered at ``now``; ``more_due``: a channel filled its
-        limit or was starved of credit."""
+        limit or was starved of credit; ``full_scan_at``: when a scan from the beginning that a
+        channel owes is due (the queues are not known to be drained before it)."""
         policy = self.policy
-        policy.drained = policy.listen and not more_due
+        policy.drained = policy.listen and not more_due and full_scan_at is None
         policy.poll_at = now + policy.polling_interval
-        self.fetch_at = None
+        self.fetch_at = full_scan_at
 
     def wait(self, now: float, *, acks_waiting: bool, deadline: float | None) -> float | None:
         """How long to wait for a wake-up; None: the call's ``timeout`` has passed."""

@@ -32,6 +32,21 @@ from .urls import Connection
 logger = logging.getLogger(__name__)
 
 
+class Position(NamedTuple):
+    """Where a message stands in its queue's delivery order (priority first, then due time, then
+    id): a consumer's next fetch of the queue may start after the last one it took
+    (``sql/consume.sql``, ``due``). ``run_at`` is the due time as the server wrote it, which it
+    reads back exactly."""
+
+    priority: int
+    run_at: str
+    id: int
+
+
+#: The position before every message: a fetch from here scans its queue from the beginning.
+START = Position(32767, "-infinity", 0)
+
+
 @dataclass(frozen=True)
 class FetchedRow:
     """A message a fetch took.
@@ -40,7 +55,7 @@ class FetchedRow:
     fencing token: ack, requeue and fail change the row only while it still runs under this
     delivery, which no later delivery of it matches (0 for a no-ack fetch: nothing settles
     it). ``budget_full`` is true on the last row of a fetch whose byte budget
-    (``max_bytes``) left a due message behind."""
+    (``max_bytes``) left a due message behind. ``position``: where it stood in its queue."""
 
     id: int
     queue: str
@@ -49,6 +64,7 @@ class FetchedRow:
     attempts: int
     delivery: int = 0
     budget_full: bool = False
+    position: Position = START
 
     @property
     def tag(self) -> tuple[int, int]:
@@ -510,19 +526,20 @@ class Store:
         *,
         no_ack: bool = False,
         max_bytes: int = FETCH_MAX_BYTES,
+        after: Sequence[Position] | None = None,
     ) -> list[FetchedRow]:
         """Take up to ``limit`` due messages, fairly across ``queues``, in delivery order.
 
         A message is taken only while the payloads taken before it total less than
         ``max_bytes``: a fetch holds less than ``max_bytes`` plus one message, and always takes
         at least one (a message larger than the budget comes alone). Messages left behind
-        stay pending; :func:`fetch_filled` says whether to fetch again."""
+        stay pending; :func:`fetch_filled` says whether to fetch again. ``after``: for each
+        queue, the position its scan starts after (default: the beginning, :data:`START`)."""
         if not queues or limit <= 0:
             return []
-        rows = self.execute(
-            "fetch_noack" if no_ack else "fetch",
-            {"queues": list(queues), "limit": limit, "consumer": consumer, "max_bytes": max_bytes},
-        )
+        params = {"queues": list(queues), "limit": limit, "consumer": consumer}
+        params |= {"max_bytes": max_bytes, **scan_params(queues, after)}
+        rows = self.execute("fetch_noack" if no_ack else "fetch", params)
         return fetched_rows(rows)
 
     def ack_fetch(
@@ -533,6 +550,7 @@ class Store:
         consumer: uuid.UUID,
         *,
         max_bytes: int = FETCH_MAX_BYTES,
+        after: Sequence[Position] | None = None,
     ) -> tuple[int, list[FetchedRow]]:
         """:meth:`ack` and :meth:`fetch` in one statement: (acks still ours, messages taken)."""
         ids, deliveries = _split(tags)
@@ -546,10 +564,11 @@ class Store:
                 "max_bytes": max_bytes,
                 "consumer": consumer,
                 "urgent": [],
+                **scan_params(queues, after),
             },
         )
         acked = int(rows[0][0]) if rows else 0
-        return acked, fetched_rows([r[1:11] for r in rows if r[1] is not None])
+        return acked, fetched_rows([(*r[1:11], r[12]) for r in rows if r[1] is not None])
 
     def ack(self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID) -> int:
         """Mark (id, delivery token) pairs (:attr:`FetchedRow.tag`) completed (or delete them:
@@ -757,9 +776,10 @@ class Store:
 
 
 def fetched_rows(rows: list[tuple[Any, ...]]) -> list[FetchedRow]:
-    """Rows of ``fetch`` (or ``ack_fetch`` without its first column; the payload as a dict or
-    as JSON text) (id, queue, payload, redelivered, attempts, expires_at, priority, rn,
-    delivery, budget_full) in delivery order: priority first, then round-robin across queues."""
+    """Rows of ``fetch`` (or ``ack_fetch`` without its first column and ``urgent``; the payload
+    as a dict or as JSON text) (id, queue, payload, redelivered, attempts, expires_at, priority,
+    rn, delivery, budget_full, run_at as text) in delivery order: priority first, then
+    round-robin across queues."""
     rows.sort(key=lambda r: (-r[6], r[7], r[0]))
     return [
         FetchedRow(
@@ -770,9 +790,29 @@ def fetched_rows(rows: list[tuple[Any, ...]]) -> list[FetchedRow]:
             attempts=r[4],
             delivery=r[8],
             budget_full=bool(r[9]),
+            position=Position(r[6], r[10], r[0]),
         )
         for r in rows
     ]
+
+
+def scan_params(queues: Sequence[str], after: Sequence[Position] | None) -> dict[str, list[Any]]:
+    """The ``after_*`` parameters of a fetch of ``queues``: each queue's scan starts after the
+    position given for it (all from the beginning without ``after``)."""
+    starts = list(after) if after is not None else [START] * len(queues)
+    if len(starts) != len(queues):
+        raise ValueError(f"{len(queues)} queues but {len(starts)} positions to start after")
+    return {
+        "after_priority": [p.priority for p in starts],
+        "after_run_at": [p.run_at for p in starts],
+        "after_id": [p.id for p in starts],
+    }
+
+
+def last_positions(rows: Sequence[FetchedRow]) -> dict[str, Position]:
+    """The position of the last row taken from each queue (``rows`` in delivery order, in
+    which a queue's rows keep their order)."""
+    return {row.queue: row.position for row in rows}
 
 
 def fetch_filled(rows: Sequence[FetchedRow], limit: int) -> bool:

@@ -789,10 +789,10 @@ CREATE INDEX jobs_expiring ON pgskip.jobs USING btree (expires_at) WHERE ((expir
 CREATE INDEX jobs_failed ON pgskip.jobs USING btree (queue, finished_at) WHERE (status = 'failed'::pgskip.job_status);
 
 --
--- Name: jobs_running; Type: INDEX; Schema: pgskip; Owner: -
+-- Name: jobs_running_rows; Type: INDEX; Schema: pgskip; Owner: -
 --
 
-CREATE INDEX jobs_running ON pgskip.jobs USING btree (locked_by) WHERE (status = 'running'::pgskip.job_status);
+CREATE INDEX jobs_running_rows ON pgskip.jobs USING btree (id) WHERE (status = 'running'::pgskip.job_status);
 
 --
 -- Name: jobs_scheduled; Type: INDEX; Schema: pgskip; Owner: -

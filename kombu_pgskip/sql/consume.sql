@@ -6,7 +6,18 @@
 -- Every transition out of 'running' is fenced by (locked_by, delivery): a consumer whose lease
 -- was taken away, or an ack of an earlier delivery of the same message, changes nothing.
 
--- due: (fragment, included as {@due}) up to limit due messages of the given queues, locked, round-robin across queues in delivery order, and only while the payloads before a message total less than max_bytes (so the first one is always taken, however large); budget_full is true on the last one when the budget left a due message behind. Rows locked here but not taken stay pending when the statement ends
+-- due: (fragment, included as {@due}) up to limit due messages of the given queues, locked, round-robin across queues in delivery order, and only while the payloads before a message total less than max_bytes (so the first one is always taken, however large); budget_full is true on the last one when the budget left a due message behind. Rows locked here but not taken stay pending when the statement ends. Each queue's scan starts after the position (after_priority, after_run_at, after_id) given for it, in delivery order; (32767, '-infinity', 0) starts at the beginning
+-- Where each scan starts. A row taken leaves its pending version behind as a dead entry at the
+-- front of the dequeue index, and while any session holds a snapshot older than the take (a
+-- pg_dump, a long report, a transaction left open) no such entry can be removed or marked dead,
+-- so a scan from the beginning reads every one of them, and the row each points to, before it
+-- reaches a due message. A scan after the position of the last message a consumer took skips
+-- those entries. Its first branch walks the rest of that message's priority level from just
+-- after it, its second the lower levels from their beginning (within a queue the index is
+-- ordered priority DESC, run_at, id, so "after" is not one range of it). A message that becomes
+-- due behind the position (a publish that committed after a later one was taken, a message
+-- returned to the queue, a promoted one, a higher priority) is found by the next scan from the
+-- beginning, which the consumer sends often enough (policy.FULL_SCAN_SPACING).
 -- Payload bytes: pg_column_size reads only the varlena header or the TOAST pointer, and for a
 -- value stored uncompressed that is its length (to within a header of at most 4 bytes). A
 -- compressed value's header holds its raw length too, but no function over json reads it: json
@@ -29,19 +40,25 @@ SELECT b.id, b.priority, b.rn, coalesce(b.next_before >= %(max_bytes)s::bigint, 
                                  ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS bytes_before
                   FROM (SELECT x.id, x.priority, x.stored, x.packed,
                                row_number() OVER (PARTITION BY x.queue ORDER BY x.priority DESC, x.run_at, x.id) AS rn
-                          FROM unnest(%(queues)s::text[]) AS q(name)
+                          FROM unnest(%(queues)s::text[], %(after_priority)s::int[],
+                                      %(after_run_at)s::timestamptz[], %(after_id)s::bigint[])
+                               AS q(name, after_priority, after_run_at, after_id)
                           CROSS JOIN LATERAL (
-                                SELECT id, queue, priority, run_at, pg_column_size(payload) AS stored,
-                                       CASE WHEN pg_column_compression(payload) IS NOT NULL
-                                            THEN payload END AS packed
-                                  FROM {schema}.jobs
-                                 WHERE jobs.queue = q.name
-                                   AND status = 'pending'
-                                   AND run_at <= now()
-                                   AND (expires_at IS NULL OR expires_at > now())
-                                 ORDER BY priority DESC, run_at, id
-                                 LIMIT %(limit)s
-                                   FOR UPDATE SKIP LOCKED
+                                -- (a locking clause is not allowed on a UNION's own branches)
+                                SELECT * FROM (
+                                 SELECT {@due_row}
+                                    AND jobs.priority = q.after_priority
+                                    AND (jobs.run_at, jobs.id) > (q.after_run_at, q.after_id)
+                                  ORDER BY run_at, id
+                                  LIMIT %(limit)s
+                                    FOR UPDATE SKIP LOCKED) AS same_level
+                                UNION ALL
+                                SELECT * FROM (
+                                 SELECT {@due_row}
+                                    AND jobs.priority < q.after_priority
+                                  ORDER BY priority DESC, run_at, id
+                                  LIMIT %(limit)s
+                                    FOR UPDATE SKIP LOCKED) AS lower_levels
                           ) AS x
                          -- id last: a total order, which the running sum above follows
                          ORDER BY x.priority DESC, rn, x.id
@@ -52,7 +69,16 @@ SELECT b.id, b.priority, b.rn, coalesce(b.next_before >= %(max_bytes)s::bigint, 
  -- then joins the rows to jobs by a nested loop (5 ms instead of 1 for 100 messages).
  WHERE b.past <= 0
 
--- take: (fragment, included as {@take} after a CTE named picked) mark the picked rows running under the consumer and stamp this delivery's token; returns what a consumer needs; the rows are looked up by id (= ANY), which a generic plan, estimating a tenth of the table for an unknown LIMIT, would otherwise hash-join by scanning the whole table
+-- due_row: (fragment, included as {@due_row} after SELECT, within due's scan of queue q) a due pending message of the queue with its stored payload size (and its payload when compressed, which due measures only as far as its budget goes), up to the WHERE clause's end, where the scan's bounds follow
+id, queue, priority, run_at, pg_column_size(payload) AS stored,
+       CASE WHEN pg_column_compression(payload) IS NOT NULL THEN payload END AS packed
+  FROM {schema}.jobs
+ WHERE jobs.queue = q.name
+   AND status = 'pending'
+   AND run_at <= now()
+   AND (expires_at IS NULL OR expires_at > now())
+
+-- take: (fragment, included as {@take} after a CTE named picked) mark the picked rows running under the consumer and stamp this delivery's token; returns what a consumer needs, the due time last (as text, which the consumer's connection reads back exactly: with the priority and id, where its next fetch of the queue may start); the rows are looked up by id (= ANY), which a generic plan, estimating a tenth of the table for an unknown LIMIT, would otherwise hash-join by scanning the whole table
 -- The token (delivery, migration 0013) fences every transition out of this delivery
 -- (ack_fence, requeue, fail): the id of the transaction taking the row, 64 bits with its epoch
 -- and never reused, so no other delivery of the row carries it, whereas attempts (reset by
@@ -65,13 +91,13 @@ UPDATE {schema}.jobs AS jobs
  WHERE jobs.id = picked.id
    AND jobs.id = ANY (ARRAY(SELECT id FROM picked))
 RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts, jobs.expires_at,
-          picked.priority, picked.rn, jobs.delivery, picked.budget_full
+          picked.priority, picked.rn, jobs.delivery, picked.budget_full, jobs.run_at::text
 
 -- fetch: take up to limit due messages (and max_bytes of payload, at least one message) from the given queues, round-robin across queues, mark them running
 WITH picked AS ({@due})
 {@take};
 
--- ack_fetch: ack delivered messages (fenced, as ack) and fetch (as fetch) in one round trip; every row starts with how many acks were still ours, and a lone row with no message says nothing was due; every row ends with whether a due message waits in one of the queues urgent (the no-ack queues of remote control and events, which the event loop fetches on their notification, the poll, or this saying so: Dispatcher._deliver_urgent), read in the fetch's own snapshot, one probe of the dequeue index per queue (ordered as that index: the generic plan, estimating that most rows match, would otherwise scan the table)
+-- ack_fetch: ack delivered messages (fenced, as ack) and fetch (as fetch) in one round trip; every row starts with how many acks were still ours, and a lone row with no message says nothing was due; every row ends with the message's due time (as take returns it) after whether a due message waits in one of the queues urgent (the no-ack queues of remote control and events, which the event loop fetches on their notification, the poll, or this saying so: Dispatcher._deliver_urgent), read in the fetch's own snapshot, one probe of the dequeue index per queue (ordered as that index: the generic plan, estimating that most rows match, would otherwise scan the table)
 WITH acked AS ({@ack}), {@fetch_after_ack};
 
 -- ack_delete_fetch: as ack_fetch, with the acks deleting their messages (ack_delete) instead of marking them completed: the transport option keep_completed=False
@@ -80,7 +106,7 @@ WITH acked AS ({@ack_delete}), {@fetch_after_ack};
 -- fetch_after_ack: (fragment, included as {@fetch_after_ack} after a CTE named acked that returns one row per ack still ours) the fetch of ack_fetch and the row it returns
 picked AS ({@due}), taken AS ({@take})
 SELECT a.n, t.id, t.queue, t.payload, t.redelivered, t.attempts, t.expires_at, t.priority, t.rn,
-       t.delivery, t.budget_full, a.urgent
+       t.delivery, t.budget_full, a.urgent, t.run_at
   FROM (SELECT count(*) AS n,
                EXISTS (SELECT 1
                          FROM unnest(%(urgent)s::text[]) AS uq(name)
@@ -102,7 +128,7 @@ DELETE FROM {schema}.jobs AS jobs
  USING picked
  WHERE jobs.id = picked.id
 RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts + 1, jobs.expires_at,
-          picked.priority, picked.rn, 0::bigint, picked.budget_full;
+          picked.priority, picked.rn, 0::bigint, picked.budget_full, jobs.run_at::text;
 
 -- ack: mark delivered messages completed (fenced); ids[k] was delivered with the token deliveries[k]. Rows are found by id and their tokens looked up in the array, not joined to unnest(): a prepared statement's generic plan, which cannot know the arrays' sizes, then still reads each row once
 UPDATE {schema}.jobs AS jobs

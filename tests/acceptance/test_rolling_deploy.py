@@ -7,15 +7,16 @@ the schema before N. When the window of schema N does not reach back to that rel
 migration in between breaks its code), there is no rolling deploy between the two, and the
 tests that need the previous release skip, saying so.
 
-The previous release predates the window: it accepts exactly its own schema version. Its
-processes already running when the migration lands keep running (a process checks the schema
-once), but one that starts afterwards refuses the newer schema (SchemaTooNew), as every release
-before this one did. That such a process works against the newer schema, as the migration's
-header claims, is shown by starting one with ``check_schema`` off. Starting the new release
-before migrating is refused (SchemaOutdated, saying to migrate first), and the previous release
-goes on meanwhile. The window itself, a process of this release starting against a newer schema
-inside it and refusing one outside it, is shown with this release against migrations added to
-a copy of its own.
+A previous release that reads the window (the migrations' ``compatible-with`` claims recorded
+in the database) starts against the newer schema like any process inside its window. One that
+predates the window accepts exactly its own schema version: its processes already running when
+the migration lands keep running (a process checks the schema once), but one that starts
+afterwards refuses the newer schema (SchemaTooNew); that such a process works against the newer
+schema, as the migration's header claims, is shown by starting one with ``check_schema`` off.
+Starting the new release before migrating is refused (SchemaOutdated, saying to migrate
+first), and the previous release goes on meanwhile. The window itself, a process of this release
+starting against a newer schema inside it and refusing one outside it, is shown with this
+release against migrations added to a copy of its own.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class Release:
     name: str
     python: str
     version: int  # the schema version it is built for
+    reads_window: bool = True  # it accepts a newer schema whose claims reach back to it
 
 
 def _git(*args: str) -> str:
@@ -156,11 +158,11 @@ def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Release:
     shown = subprocess.run(
         [str(python), "-c",
          "import importlib; m = importlib.import_module('kombu_pgskip.migrate'); "
-         "print(m.__file__); print(m.latest_version())"],
+         "print(m.__file__); print(m.latest_version()); print(hasattr(m, 'compatible_range'))"],
         capture_output=True, text=True, check=True, cwd=root,
     ).stdout.split()  # fmt: skip
     assert shown[0].startswith(str(site)) and int(shown[1]) == version, shown
-    return Release(f"previous ({commit[:8]})", str(python), version)
+    return Release(f"previous ({commit[:8]})", str(python), version, shown[2] == "True")
 
 
 @pytest.fixture(scope="session")
@@ -350,12 +352,16 @@ def test_migrate_first_while_the_previous_release_publishes_and_consumes(
     assert applied == [m.label for m in load_migrations() if m.version > previous_release.version]
     new_worker = deploy.worker(this_release)
 
-    # A process of the previous release starting now: its exact check refuses the newer schema
-    # (what this release's window ends); with the check off, it runs against it.
-    refused = deploy.worker(previous_release, wait=False)
-    assert refused.exited() != 0
-    assert "newer than this kombu-pgskip knows" in refused.text()
-    restarted = deploy.worker(previous_release, queue="rolling-restarted", check_schema=False)
+    # A process of the previous release starting now runs against the newer schema: inside
+    # its window if it reads the window; a release older than the window refuses it with its
+    # exact check, and runs with the check off.
+    if previous_release.reads_window:
+        restarted = deploy.worker(previous_release, queue="rolling-restarted")
+    else:
+        refused = deploy.worker(previous_release, wait=False)
+        assert refused.exited() != 0
+        assert "newer than this kombu-pgskip knows" in refused.text()
+        restarted = deploy.worker(previous_release, queue="rolling-restarted", check_schema=False)
     restarted_publisher, restarted_stop = deploy.publisher(
         this_release, "restarted", "rolling-restarted"
     )

@@ -1,7 +1,11 @@
-"""Scenario 5: 4 prefork workers drain 100,000 messages from one queue: each exactly once."""
+"""Scenario 5: 4 prefork workers drain one queue's messages: each exactly once.
+
+The suite drains 40,000; docs/reliability.md has runs of 100,000
+(``PGSKIP_CHAOS_MESSAGES=100000``)."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -9,7 +13,7 @@ import psycopg
 
 from tests.chaos.support import Figures, Fleet, Runs, report, seed, verdict, wait_finished
 
-MESSAGES = 100_000
+MESSAGES = int(os.environ.get("PGSKIP_CHAOS_MESSAGES", "40000"))
 WORKERS = ["w1", "w2", "w3", "w4"]
 
 
@@ -60,7 +64,7 @@ def run_concurrency_scenario(
     return figures
 
 
-def test_four_prefork_workers_deliver_each_of_100000_messages_exactly_once(
+def test_four_prefork_workers_deliver_each_of_their_messages_exactly_once(
     db_url: str, chaos_broker: str, chaos_log: Path, chaos_report: Path
 ) -> None:
     run_concurrency_scenario("5-concurrency", db_url, chaos_broker, chaos_log, chaos_report)

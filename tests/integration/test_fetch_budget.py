@@ -17,7 +17,7 @@ import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.asynchronous import Hub
 
-from kombu_pgskip.store import NewMessage, Store, fetch_filled
+from kombu_pgskip.store import NewMessage, Store, fetch_filled, scan_params
 
 MIB = 1024 * 1024
 #: Raw body bytes whose base64 (the transport's body encoding) is 3 MiB.
@@ -258,6 +258,7 @@ def test_fetch_plan_stops_measuring_at_the_budget(store: Store, db_url: str) -> 
                 "ids": [],
                 "deliveries": [],
                 "urgent": [],
+                **scan_params(["plan"], None),
             }
             plan = "\n".join(
                 r[0] for r in conn.execute(psycopg.sql.SQL("EXPLAIN ") + store.q[name], params)

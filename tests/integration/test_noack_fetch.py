@@ -212,6 +212,9 @@ def test_the_task_fetch_looks_into_the_no_ack_queues_by_index(db_url: str) -> No
             "limit": "100",
             "max_bytes": "16777216",
             "urgent": "'{control,events}'",
+            "after_priority": "'{32767}'",
+            "after_run_at": "'{-infinity}'",
+            "after_id": "'{0}'",
         }
         args = ", ".join(values[name] for name in fetcher._order)
         assert fetcher._conn is not None

@@ -189,10 +189,7 @@ def test_a_publisher_role_can_run_every_insert_statement(db_url: str) -> None:
                 "q"
             ]
             with pytest.raises(exceptions.PermissionDenied):
-                store.execute(
-                    "fetch",
-                    {"queues": ["q"], "limit": 1, "max_bytes": 1, "consumer": uuid.uuid4()},
-                )
+                store.fetch(["q"], 1, uuid.uuid4(), max_bytes=1)
         finally:
             store.close()
     finally:

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from kombu_pgskip.envelope import to_row
-from kombu_pgskip.store import Store
+from kombu_pgskip.store import Position, Store, scan_params
 
 
 def _publish(
@@ -229,15 +229,20 @@ def test_fetch_plan_uses_the_partial_dequeue_index(store: Store, db_url: str) ->
         )
         conn.execute("ANALYZE pgskip.jobs")
         query = store.q["fetch"]
-        plan = "\n".join(
-            r[0]
-            for r in conn.execute(
-                psycopg.sql.SQL("EXPLAIN ") + query,
-                {"queues": ["q"], "limit": 10, "max_bytes": 2**24, "consumer": uuid.uuid4()},
+        params = {"queues": ["q"], "limit": 10, "max_bytes": 2**24, "consumer": uuid.uuid4()}
+        after = [Position(0, "2026-01-01 00:00:00+00", 1)]
+        for starts in (None, after):
+            plan = "\n".join(
+                r[0]
+                for r in conn.execute(
+                    psycopg.sql.SQL("EXPLAIN ") + query, params | scan_params(["q"], starts)
+                )
             )
-        )
-    assert "jobs_dequeue" in plan, plan
-    assert "Seq Scan on jobs" not in plan, plan
+            # Both branches (the position's own priority level, the lower ones) walk the
+            # index, the first from just after the position.
+            assert plan.count("Index Scan using jobs_dequeue") == 2, plan
+            assert "Seq Scan on jobs" not in plan, plan
+            assert "ROW(run_at, id) > ROW(q.after_run_at, q.after_id)" in plan, plan
 
 
 def test_expired_messages_are_dropped_by_the_sweeper(store: Store, db_url: str) -> None:

@@ -8,11 +8,13 @@ import pytest
 from kombu_pgskip.options import Options
 from kombu_pgskip.policy import (
     ACK_FLUSH_DELAY,
+    FULL_SCAN_SPACING,
     ChannelState,
     FetchPolicy,
     Next,
     Wake,
 )
+from kombu_pgskip.store import Position
 
 
 def _policy(**options: object) -> FetchPolicy:
@@ -54,7 +56,7 @@ def test_no_credit_marks_the_channel_starved_and_an_ack_then_fetches_at_once() -
     assert state.starved
     assert policy.ack_queued(state, first=True) is Wake.FETCH
     # A fetch that took less than its limit: nothing is known to wait any more.
-    policy.fetched(state, took=2, filled=False)
+    policy.fetched(state, took=2, filled=False, now=0.0)
     assert not state.starved and not state.more_due
     assert policy.ack_queued(state, first=True) is Wake.FLUSH
     assert policy.ack_queued(state, first=False) is Wake.NONE
@@ -68,7 +70,7 @@ def test_outside_an_event_loop_every_ack_asks_for_a_fetch() -> None:
 def test_a_filled_fetch_calls_for_another_at_once() -> None:
     policy = _policy()
     state = ChannelState()
-    policy.fetched(state, took=100, filled=True)
+    policy.fetched(state, took=100, filled=True, now=0.0)
     assert state.more_due and state.starved
     assert policy.after_loop_fetch(state, acks_waiting=True) is Next.DRAIN
 
@@ -77,12 +79,12 @@ def test_a_notification_during_a_fetch_calls_for_another_after_the_cooldown() ->
     policy = _policy(fetch_cooldown=0.01)
     state = ChannelState()
     policy.sent(state, now=100.0)
-    policy.fetched(state, took=1, filled=False)
+    policy.fetched(state, took=1, filled=False, now=0.0)
     assert policy.after_loop_fetch(state, acks_waiting=False) is Next.NOTHING
     assert policy.after_loop_fetch(state, acks_waiting=True) is Next.FLUSH_ACKS
     policy.sent(state, now=101.0)
     policy.notified(now=101.001)  # while the fetch was in flight
-    policy.fetched(state, took=0, filled=False)
+    policy.fetched(state, took=0, filled=False, now=0.0)
     assert policy.after_loop_fetch(state, acks_waiting=True) is Next.AFTER_COOLDOWN
     assert policy.cooldown_left(101.005) == pytest.approx(0.005)
     assert policy.cooldown_left(101.02) < 0
@@ -93,19 +95,19 @@ def test_only_notified_fetches_adapt_the_cooldown() -> None:
     state = ChannelState()
     # Not notified (a poll, an ack flush): an empty fetch says nothing about other workers.
     policy.sent(state, now=1.0)
-    policy.fetched(state, took=0, filled=False)
+    policy.fetched(state, took=0, filled=False, now=0.0)
     assert policy.cooldown.value == 0.01
     grown = []
     for i in range(5):
         policy.notified(now=2.0 + i)
         policy.sent(state, now=2.0 + i)
-        policy.fetched(state, took=0, filled=False)  # another worker took the message
+        policy.fetched(state, took=0, filled=False, now=0.0)  # another worker took the message
         grown.append(policy.cooldown.value)
     assert grown == pytest.approx([0.02, 0.04, 0.08, 0.08, 0.08])
     for i in range(40):
         policy.notified(now=10.0 + i)
         policy.sent(state, now=10.0 + i)
-        policy.fetched(state, took=3, filled=False)
+        policy.fetched(state, took=3, filled=False, now=0.0)
     assert policy.cooldown.value == 0.01
 
 
@@ -204,3 +206,66 @@ def test_acks_wait_for_a_notification_while_notifications_come_soon_enough() -> 
     policy.notified(3.001)
     call.woke(3.001, woken=True, acks_waiting=True)
     assert policy.ack_wait_pays
+
+
+# -- where a scan starts ---------------------------------------------------------------------
+
+POS = Position(0, "2026-12-02 10:00:00+00", 7)
+
+
+def _full(policy: FetchPolicy, state: ChannelState, at: float, cost: float) -> None:
+    """A fetch from the beginning sent at ``at`` that took ``cost`` seconds and came back
+    short, having taken a message at POS."""
+    assert not policy.scan_after(state, ["q"], at)
+    policy.scanning(state, at, after=False)
+    policy.fetched(state, took=1, filled=False, now=at + cost, last={"q": POS})
+
+
+def test_scans_start_at_the_beginning_while_that_is_cheap() -> None:
+    policy = _policy()
+    state = ChannelState()
+    assert not policy.scan_after(state, ["q"], 0.0)  # nothing taken yet: no position
+    for i in range(20):
+        # Round trips of half a millisecond, give or take: never worth a position.
+        _full(policy, state, at=float(i), cost=0.0005 + 0.0004 * (i % 3))
+    assert state.positions == {"q": POS}
+    assert not state.full_owed
+
+
+def test_once_a_scan_from_the_beginning_is_slow_fetches_start_after_the_positions() -> None:
+    policy = _policy()
+    state = ChannelState()
+    _full(policy, state, at=0.0, cost=0.001)
+    _full(policy, state, at=1.0, cost=0.020)  # dead entries: twenty times the cheapest
+    # Until (1 + FULL_SCAN_SPACING) times its duration after it was sent, fetches start after
+    # the positions; one that is not for any queue with a position scans from the beginning.
+    due = 1.0 + (1 + FULL_SCAN_SPACING) * 0.020
+    assert policy.full_scan_at(state) == pytest.approx(due)
+    assert policy.scan_after(state, ["q"], 1.03)
+    assert not policy.scan_after(state, ["other"], 1.03)
+    assert not policy.scan_after(state, ["q"], due)
+    # A fetch after the positions that fills its limit owes nothing yet; one that comes back
+    # short cannot say the queue is drained: a scan from the beginning is owed, when due.
+    policy.scanning(state, 1.03, after=True)
+    policy.fetched(state, took=10, filled=True, now=1.031)
+    assert not state.full_owed
+    assert policy.after_loop_fetch(state, acks_waiting=False) is Next.DRAIN
+    policy.scanning(state, 1.032, after=True)
+    policy.fetched(state, took=3, filled=False, now=1.033, last={"q": POS._replace(id=9)})
+    assert state.full_owed and state.positions["q"].id == 9
+    assert policy.after_loop_fetch(state, acks_waiting=False) is Next.FULL_SCAN
+    # The scan from the beginning settles it, and its duration sets the next spacing.
+    _full(policy, state, at=due, cost=0.002)
+    assert not state.full_owed
+    assert policy.after_loop_fetch(state, acks_waiting=False) is Next.NOTHING
+    assert not policy.scan_after(state, ["q"], due + 0.003)  # cheap again
+
+
+def test_a_blocking_call_that_owes_a_scan_from_the_beginning_is_not_drained() -> None:
+    policy = _policy(polling_interval=30)
+    policy.next_promote = 100.0
+    call = policy.drain_call(0.0, notified=False, acks_waiting=False)
+    call.fetched(0.0, more_due=False, full_scan_at=0.1)
+    assert not policy.drained
+    assert call.wait(0.0, acks_waiting=False, deadline=None) == pytest.approx(0.1)
+    assert call.should_fetch(0.1, promoted=False)

@@ -1,0 +1,17 @@
+-- pgskip: compatible-with 0016
+-- 0017_running_rows_by_id: the index of running rows is keyed by id.
+--
+-- The ack, requeue and reject statements find the rows they settle by id and check that each
+-- still runs under the consumer (jobs.locked_by). The index of running rows had the consumer
+-- as its key. Every message a consumer took adds an entry under that one key, and the entry
+-- stays, dead, until vacuum removes it: after a few minutes of a busy worker, or while a
+-- session holds an old snapshot, the key has tens of thousands of dead entries. Whenever the
+-- planner chose that index for a statement settling a few rows (it does when the statistics
+-- say few rows are running, as on a table not yet analysed), the statement read all of them,
+-- and a worker went from thousands of messages per second to hundreds. Keyed by id, the index
+-- leads such a statement to the rows it names, whichever of it and the primary key the
+-- planner takes. What looks for a consumer's rows (the sweep, a consumer leaving) reads the
+-- running rows of every consumer, as the sweep already did to find rows of unknown consumers.
+-- Migration 0018 drops the old index once this one is built.
+-- pgskip: concurrently
+CREATE INDEX jobs_running_rows ON jobs (id) WHERE status = 'running';
