@@ -1,8 +1,10 @@
 """kombu-pgskip: a Celery/kombu message broker inside PostgreSQL.
 
-Importing this package registers the ``pgskip`` URL scheme with kombu, so that
-``broker_url = "pgskip://user:password@host:5432/dbname"`` works in any process that imported it.
-The ``celery -A proj pgskip ...`` entry point makes every ``celery`` CLI process import it.
+``broker_url = "pgskip://user:password@host:5432/dbname"`` works in every process of an
+environment where the package is installed: ``kombu_pgskip.pth`` registers the ``pgskip`` URL
+scheme with kombu when ``kombu.transport`` is first imported (``_kombu_pgskip_alias``).
+Importing this package registers it too, for processes where ``.pth`` files do not run
+(``python -S``) or that use the source tree without installing it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .migrate import migrate
 from .publish import apply_async_in, send_task_in, transaction
 from .urls import mask_url
 
+#: The distribution's version: pyproject.toml reads it from here (``tool.setuptools.dynamic``).
 __version__ = "0.1.0"
 
 TRANSPORT_PATH = "kombu_pgskip.transport:Transport"

@@ -14,6 +14,10 @@ its own:
   waits for locks and runs only within a budget of half the renewal interval, so the next
   renewal is never late by more than that.
 
+The thread also starts the check of the pg_cron jobs' runs
+(:class:`~kombu_pgskip.health.CronRunMonitor`, throttled by itself), which runs in a thread and
+on connections of its own.
+
 The first beat runs as the thread starts, sweep included: a worker started in place of one that
 was killed returns its predecessor's messages within seconds (the killed process's session lock
 is gone; a sweep that finds a lock released sweeps again once ``LOCK_GRACE_S`` is over, see
@@ -41,7 +45,7 @@ from typing import TYPE_CHECKING
 import psycopg
 from psycopg import pq
 
-from .health import HorizonMonitor
+from .health import CronRunMonitor, HorizonMonitor
 from .leases import Leaseholder, LeaseRenewal
 from .store import LOCK_GRACE_S, Store
 from .sweeper import MIN_STATEMENT_S, Sweeper
@@ -87,6 +91,7 @@ class Background(threading.Thread):
         self.leases = LeaseRenewal(holders, options.lease_seconds, session_lock=options.listen)
         self.sweeper = Sweeper(interval=options.sweep_interval, max_attempts=options.max_attempts)
         self.horizon = HorizonMonitor(self.store, options.xmin_horizon_warning)
+        self.cron_runs = CronRunMonitor(url, options.schema)
         #: How long housekeeping may take after a renewal.
         self.budget = self.leases.interval / 2.0
         self._failures = 0
@@ -122,6 +127,7 @@ class Background(threading.Thread):
                     if self._suspects:  # a consumer's lock is gone: dead once the grace is over
                         sweep_at = min(sweep_at, time.monotonic() + LOCK_GRACE_S + GRACE_MARGIN_S)
                 self.horizon.maybe_check()  # throttled; logs its own failures
+                self.cron_runs.maybe_check()  # throttled; runs in a thread of its own
                 if self._wait(min(renew_at, sweep_at)):
                     renew_at = time.monotonic()
         finally:

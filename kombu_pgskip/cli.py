@@ -10,6 +10,11 @@ either it stops with a usage error. The schema is ``--schema``, else the app's
 ``beat_schedule`` and so runs under Celery only; ``tick`` and ``maintenance`` take their
 settings from their options, over ``app.conf.pgskip_maintenance`` when there is an app.
 
+``--version`` prints ``kombu-pgskip <version>``. ``status``, ``failed`` and ``beat-list`` take
+``--json``: one JSON object on stdout, in the shape their ``--help`` shows (and
+docs/cli-json.md); keys are only ever added to it. Times are ISO 8601 in UTC, durations
+seconds, absent values ``null``. Errors go to stderr with exit status 1, as without ``--json``.
+
 Each command's work is a ``do_*`` function; the click commands only resolve where it acts.
 Importing this module imports :mod:`kombu_pgskip`, which registers the ``pgskip://`` scheme in
 every ``celery`` CLI process (worker, inspect, events, purge, flower).
@@ -20,11 +25,12 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 import click
 
-from . import exceptions
+from . import __version__, exceptions
 from .migrate import DEFAULT_LOCK_TIMEOUT, DEFAULT_RETRIES, DEFAULT_SCHEMA, migrate
 from .store import Store
 from .urls import mask_url
@@ -51,6 +57,21 @@ class Target:
 def _fail(exc: BaseException) -> None:
     click.echo(f"error: {exc}", err=True)
     sys.exit(1)
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``count`` and ``noun``, in the plural unless ``count`` is 1: ``1 failed message``,
+    ``3 failed messages``, ``0 failed messages``."""
+    return f"{count} {noun if count == 1 else (nouns or noun + 's')}"
+
+
+def _echo_json(value: dict[str, Any]) -> None:
+    click.echo(json.dumps(value, indent=2))
+
+
+def _utc(value: datetime | None) -> str | None:
+    """A stored time as ISO 8601 in UTC (``2026-01-31T12:00:00+00:00``), or None."""
+    return None if value is None else value.astimezone(timezone.utc).isoformat()
 
 
 def do_migrate(
@@ -102,22 +123,50 @@ def do_migrate_plan(target: Target, lock_timeout: float, retries: int) -> None:
         click.echo(line)
 
 
-def do_status(target: Target) -> None:
+def do_status(target: Target, as_json: bool = False) -> None:
     from .migrate import latest_version, schema_window
 
-    store = Store(target.url, schema=target.schema)
     try:
-        rows = store.queue_stats()
+        store = Store(target.url, schema=target.schema)
+        try:
+            rows = store.queue_stats()
+        finally:
+            store.close()
         oldest, current = schema_window(target.url, target.schema)
     except exceptions.PgSkipError as exc:
         _fail(exc)
         return
-    finally:
-        store.close()
+    if as_json:
+        _echo_json(
+            {
+                "schema": target.schema,
+                "schema_version": current,
+                "oldest_compatible_version": oldest,
+                "package_schema_version": latest_version(),
+                "version": __version__,
+                "queues": [
+                    {
+                        "queue": str(r["queue"]),
+                        "pending": int(r["pending"]),
+                        "running": int(r["running"]),
+                        "scheduled": int(r["scheduled"]),
+                        "failed": int(r["failed"]),
+                        "oldest_pending_age": (
+                            None
+                            if r["oldest_pending_age"] is None
+                            else float(r["oldest_pending_age"])
+                        ),
+                        "completed_last_minute": int(r["completed_last_minute"]),
+                    }
+                    for r in rows
+                ],
+            }
+        )
+        return
     headers = ("queue", "pending", "running", "scheduled", "failed", "oldest pending", "done/min")
     table = [
         (
-            r["queue"],
+            str(r["queue"]),
             str(r["pending"]),
             str(r["running"]),
             str(r["scheduled"]),
@@ -127,12 +176,7 @@ def do_status(target: Target) -> None:
         )
         for r in rows
     ]
-    widths = [max([len(h), *(len(row[i]) for row in table)]) for i, h in enumerate(headers)]
-    click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
-    for row in table:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
-    if not table:
-        click.echo("(no messages)")
+    _table(headers, table, "(no messages)")
     span = f"{oldest:04d}" if oldest >= current else f"{oldest:04d} to {current:04d}"
     click.echo(
         f"schema {target.schema!r} at version {current:04d}: code built for schema {span} runs "
@@ -157,7 +201,9 @@ def do_grant(target: Target, workers: list[str], publishers: list[str], dry_run:
     if dry_run:
         click.echo("dry run: nothing was granted")
     else:
-        click.echo(f"granted ({len(grants)} statements) as the role of {mask_url(target.url)}")
+        click.echo(
+            f"granted ({plural(len(grants), 'statement')}) as the role of {mask_url(target.url)}"
+        )
 
 
 def do_queue_args(
@@ -195,7 +241,7 @@ def do_doctor(target: Target) -> None:
         click.echo(check.line())
     failed = sum(1 for c in checks if not c.ok)
     if failed:
-        click.echo(f"{failed} of {len(checks)} checks failed", err=True)
+        click.echo(f"{failed} of {plural(len(checks), 'check')} failed", err=True)
         sys.exit(1)
 
 
@@ -208,7 +254,11 @@ def _fmt_time(value: Any, tz: Any = None) -> str:
 
 
 def _table(headers: tuple[str, ...], rows: Sequence[tuple[str, ...]], empty: str) -> None:
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    """Columns as wide as their widest cell or header; ``empty`` below the headers when there
+    are no rows."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
     click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
     for row in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
@@ -216,8 +266,7 @@ def _table(headers: tuple[str, ...], rows: Sequence[tuple[str, ...]], empty: str
         click.echo(empty)
 
 
-def do_beat_list(target: Target, cron_database: str | None = None) -> None:
-    from . import cron
+def do_beat_list(target: Target, cron_database: str | None = None, as_json: bool = False) -> None:
     from .periodic import list_entries
     from .schedule_spec import zone
 
@@ -225,6 +274,9 @@ def do_beat_list(target: Target, cron_database: str | None = None) -> None:
         entries = list_entries(target.url, target.schema)
     except exceptions.PgSkipError as exc:
         _fail(exc)
+        return
+    if as_json:
+        _beat_list_json(target, entries, cron_database)
         return
     rows = []
     for e in entries:
@@ -246,11 +298,7 @@ def do_beat_list(target: Target, cron_database: str | None = None) -> None:
         "(no periodic tasks stored: run `celery -A proj pgskip beat-sync`)",
     )
     try:
-        server = cron.locate(target.url, cron_database)
-        prefix = cron.job_prefix(server.app_database, target.schema)
-        with cron.cron_session(target.url, server) as conn:
-            jobs = cron.list_jobs(conn, prefix)
-            runs = cron.last_runs(conn, prefix)
+        server, jobs, runs = _cron_jobs(target, cron_database)
     except exceptions.PgSkipError as exc:
         click.echo(f"\npg_cron: {exc}")
         return
@@ -280,6 +328,75 @@ def do_beat_list(target: Target, cron_database: str | None = None) -> None:
         f"(no pg_cron jobs for this schema; pg_cron {server.version} in database "
         f"{server.cron_database!r})",
     )
+    if any(runs[j.name][0] == "failed" for j in jobs if j.name in runs):
+        _cron_failure_advice(target, server)
+
+
+def _cron_failure_advice(target: Target, server: Any) -> None:
+    """Below ``beat-list``'s jobs: what a failed latest run means and what to change."""
+    from . import cron
+
+    prefix = cron.job_prefix(server.app_database, target.schema)
+    try:
+        advice = cron.failure_advice(target.url, server, prefix)
+    except exceptions.PgSkipError:
+        return
+    if advice:
+        click.echo(f"\n{advice}")
+
+
+def _cron_jobs(target: Target, cron_database: str | None) -> tuple[Any, list[Any], dict[str, Any]]:
+    """pg_cron's server, the schema's jobs and their latest runs (``beat-list``)."""
+    from . import cron
+
+    server = cron.locate(target.url, cron_database)
+    prefix = cron.job_prefix(server.app_database, target.schema)
+    with cron.cron_session(target.url, server) as conn:
+        return server, cron.list_jobs(conn, prefix), cron.last_runs(conn, prefix)
+
+
+def _beat_list_json(target: Target, entries: Sequence[Any], cron_database: str | None) -> None:
+    result: dict[str, Any] = {
+        "schema": target.schema,
+        "entries": [
+            {
+                "name": e.name,
+                "task": e.task,
+                "schedule": e.schedule,
+                "timezone": e.timezone,
+                "missed": e.missed,
+                "queues": list(e.queues),
+                "next_run": _utc(e.next_run),
+                "last_run": _utc(e.last_run),
+                "last_task_id": e.last_task_id,
+                "last_fired_at": _utc(e.last_fired_at),
+            }
+            for e in entries
+        ],
+    }
+    try:
+        server, jobs, runs = _cron_jobs(target, cron_database)
+    except exceptions.PgSkipError as exc:
+        result["pg_cron"] = {"available": False, "error": str(exc)}
+    else:
+        result["pg_cron"] = {
+            "available": True,
+            "version": server.version,
+            "database": server.cron_database,
+            "jobs": [
+                {
+                    "name": j.name,
+                    "schedule": j.schedule,
+                    "database": j.database,
+                    "active": j.active,
+                    "last_run": _utc(runs[j.name][1]) if j.name in runs else None,
+                    "last_status": runs[j.name][0] if j.name in runs else None,
+                    "last_message": (runs[j.name][2] or None) if j.name in runs else None,
+                }
+                for j in jobs
+            ],
+        }
+    _echo_json(result)
 
 
 def do_tick(target: Target, maintenance_config: Any) -> None:
@@ -292,18 +409,27 @@ def do_tick(target: Target, maintenance_config: Any) -> None:
     except exceptions.PgSkipError as exc:
         _fail(exc)
         return
-    click.echo(f"fired {fired} periodic slots; " + ", ".join(f"{k} {v}" for k, v in done.items()))
+    click.echo(
+        f"fired {plural(fired, 'periodic slot')}; " + ", ".join(f"{k} {v}" for k, v in done.items())
+    )
 
 
 def do_maintenance(
     target: Target, config: Any, remove: bool, cron_database: str | None = None
 ) -> None:
+    from . import cron
     from .maintenance import install
 
     try:
         changes = install(
             target.url, target.schema, config, remove=remove, cron_database=cron_database
         )
+    except cron.PgCronMissing as exc:
+        if not remove:
+            _fail(exc)
+            return
+        click.echo(f"nothing to remove: {exc.context.get('reason', exc)}")
+        return
     except exceptions.PgSkipError as exc:
         _fail(exc)
         return
@@ -314,10 +440,14 @@ def do_maintenance(
 
 
 def do_cron_remove(target: Target, cron_database: str | None = None) -> None:
+    from . import cron
     from .maintenance import remove_all_jobs
 
     try:
         changes = remove_all_jobs(target.url, target.schema, cron_database)
+    except cron.PgCronMissing as exc:
+        click.echo(f"nothing to remove: {exc.context.get('reason', exc)}")
+        return
     except exceptions.PgSkipError as exc:
         _fail(exc)
         return
@@ -339,7 +469,24 @@ def _failed_filter(
     return FailedFilter(queue=queue, task=task, older_than=age, limit=limit)
 
 
-def do_failed(target: Target, filt: Any, full: bool) -> None:
+def _failed_json(failed: Sequence[Any]) -> dict[str, Any]:
+    return {
+        "messages": [
+            {
+                "id": m.id,
+                "queue": m.queue,
+                "task": m.task_name,
+                "task_id": m.task_id,
+                "attempts": m.attempts,
+                "failed_at": _utc(m.failed_at),
+                "error": m.error,
+            }
+            for m in failed
+        ]
+    }
+
+
+def do_failed(target: Target, filt: Any, full: bool, as_json: bool = False) -> None:
     from .maintenance import list_failed
 
     try:
@@ -347,6 +494,13 @@ def do_failed(target: Target, filt: Any, full: bool) -> None:
     except exceptions.PgSkipError as exc:
         _fail(exc)
         return
+    if as_json:
+        _echo_json(_failed_json(failed))
+        return
+    _failed_table(failed, full)
+
+
+def _failed_table(failed: Sequence[Any], full: bool) -> None:
     rows = []
     for m in failed:
         error = (m.error or "").strip()
@@ -371,15 +525,25 @@ def do_failed(target: Target, filt: Any, full: bool) -> None:
     )
 
 
-def do_retry_failed(target: Target, filt: Any) -> None:
-    from .maintenance import retry_failed
+def do_retry_failed(target: Target, filt: Any, dry_run: bool = False) -> None:
+    from .maintenance import list_failed, retry_failed
 
     try:
-        count = retry_failed(target.url, target.schema, filt)
+        if dry_run:
+            would = list_failed(target.url, target.schema, filt)
+        else:
+            count = retry_failed(target.url, target.schema, filt)
     except exceptions.PgSkipError as exc:
         _fail(exc)
         return
-    click.echo(f"{count} failed messages returned to pending")
+    if dry_run:
+        _failed_table(would, full=False)
+        click.echo(
+            f"dry run: {plural(len(would), 'failed message')} would return to pending; "
+            "nothing was changed"
+        )
+        return
+    click.echo(f"{plural(count, 'failed message')} returned to pending")
 
 
 def do_purge_failed(target: Target, filt: Any) -> None:
@@ -390,7 +554,7 @@ def do_purge_failed(target: Target, filt: Any) -> None:
     except exceptions.PgSkipError as exc:
         _fail(exc)
         return
-    click.echo(f"{count} failed messages deleted")
+    click.echo(f"{plural(count, 'failed message')} deleted")
 
 
 # -- the command line ----------------------------------------------------------------------------
@@ -428,6 +592,13 @@ class PgSkipGroup(click.Group):
 
 
 @click.group(name="pgskip", cls=PgSkipGroup)
+@click.version_option(
+    __version__,
+    "--version",
+    prog_name="kombu-pgskip",
+    message="%(prog)s %(version)s",
+    help="Print the version of kombu-pgskip and exit.",
+)
 def pgskip() -> None:
     """kombu-pgskip: the PostgreSQL broker's schema and operations.
 
@@ -484,6 +655,13 @@ _owner_url_option = click.option(
     "PGSKIP_OWNER_URL, then PGSKIP_URL; default under Celery: the app's broker_url).",
 )
 
+_json_option = click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON object instead of the table (its shape: above, and docs/cli-json.md).",
+)
+
 _schema_option = click.option(
     "--schema",
     default=None,
@@ -512,22 +690,31 @@ def _failed_filters(func: Any) -> Any:
     return func
 
 
-def _maintenance_options(func: Any) -> Any:
-    """The maintenance settings; under Celery they override ``app.conf.pgskip_maintenance``."""
-    for name, help_text in reversed(
-        (
-            ("--sweep-schedule", "pg_cron schedule of the sweeper (default every minute)."),
-            ("--max-attempts", "Deliveries before a dead consumer's message goes to failed (20)."),
-            ("--prune-schedule", "pg_cron schedule of the pruning job (default hourly)."),
-            ("--completed-retention", "Keep completed messages this long (1d; 'never')."),
-            ("--failed-retention", "Keep failed messages this long (14d; 'never' keeps them)."),
-            ("--prune-batch", "Completed messages deleted per transaction by pruning (10000)."),
-            ("--cron-history-schedule", "pg_cron schedule of the cron.job_run_details pruning."),
-            ("--cron-history-retention", "Keep cron.job_run_details rows this long (7d)."),
-        )
-    ):
-        func = click.option(name, default=None, help=help_text)(func)
+_MAINTENANCE_OPTIONS = (
+    ("--sweep-schedule", "pg_cron schedule of the sweeper (default every minute)."),
+    ("--max-attempts", "Deliveries before a dead consumer's message goes to failed (20)."),
+    ("--prune-schedule", "pg_cron schedule of the pruning job (default hourly)."),
+    ("--completed-retention", "Keep completed messages this long (1d; 'never')."),
+    ("--failed-retention", "Keep failed messages this long (14d; 'never' keeps them)."),
+    ("--prune-batch", "Completed messages deleted per transaction by pruning (10000)."),
+    ("--cron-history-schedule", "pg_cron schedule of the cron.job_run_details pruning."),
+    ("--cron-history-retention", "Keep cron.job_run_details rows this long (7d)."),
+)
+#: What ``tick`` uses: it sweeps and prunes once, now; no schedule and no pg_cron history.
+_TICK_OPTIONS = ("--max-attempts", "--completed-retention", "--failed-retention", "--prune-batch")
+
+
+def _maintenance_options(func: Any, only: Sequence[str] | None = None) -> Any:
+    """The maintenance settings (``only`` those named); under Celery they override
+    ``app.conf.pgskip_maintenance``."""
+    for name, help_text in reversed(_MAINTENANCE_OPTIONS):
+        if only is None or name in only:
+            func = click.option(name, default=None, help=help_text)(func)
     return func
+
+
+def _tick_options(func: Any) -> Any:
+    return _maintenance_options(func, _TICK_OPTIONS)
 
 
 _cron_database_option = click.option(
@@ -598,15 +785,24 @@ def migrate_cmd(
 
 
 @pgskip.command(name="status")
+@_json_option
 @_url_option
 @_schema_option
 @click.pass_context
-def status_cmd(ctx: click.Context, url: str | None, schema: str | None) -> None:
+def status_cmd(ctx: click.Context, as_json: bool, url: str | None, schema: str | None) -> None:
     """Per-queue counts, and the schema's version.
 
     A table per queue: pending, running, scheduled, failed, oldest pending, done per minute;
-    then the schema's version and the code versions that run against it."""
-    do_status(_target(ctx, url, schema))
+    then the schema's version and the code versions that run against it.
+
+    \b
+    --json prints:
+    {"schema": "pgskip", "schema_version": 18, "oldest_compatible_version": 16,
+     "package_schema_version": 18, "version": "0.1.0",
+     "queues": [{"queue": "default", "pending": 3, "running": 1, "scheduled": 0,
+                 "failed": 0, "oldest_pending_age": 2.5, "completed_last_minute": 40}]}
+    """
+    do_status(_target(ctx, url, schema), as_json)
 
 
 @pgskip.command(name="grant")
@@ -693,6 +889,14 @@ def queue_args_cmd(
     default=None,
     help="Seconds a slot may be late and still fire normally (default 120).",
 )
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0),
+    default=90.0,
+    show_default=True,
+    help="Seconds to wait for pg_cron's first run of the jobs, to check that it can run them "
+    "(0: judge by their past runs only).",
+)
 @_maintenance_options
 @_cron_database_option
 @_url_option
@@ -706,6 +910,7 @@ def beat_sync_cmd(
     no_maintenance: bool,
     missed: str | None,
     grace: float | None,
+    wait: float,
     cron_database: str | None,
     url: str | None,
     schema: str | None,
@@ -714,7 +919,9 @@ def beat_sync_cmd(
     """Store app.conf.beat_schedule and install its pg_cron jobs.
 
     Stores the schedule in the database, installs the pg_cron job that fires it and the
-    maintenance jobs, and prints the diff. Needs the Celery app."""
+    maintenance jobs, and prints the diff. Then checks in cron.job_run_details that pg_cron
+    can run them, waiting for their first run if need be (--wait); exits 1, saying what to
+    change, when it cannot. Needs the Celery app."""
     from .periodic import beat_sync, default_policy
 
     app = _app(ctx)
@@ -748,27 +955,75 @@ def beat_sync_cmd(
         click.echo(line)
     changed = result.changed or bool(maintenance_changes)
     if dry_run:
+        if result.cron_problem:
+            click.echo(
+                "pg_cron cannot be used; without --dry-run, beat-sync would stop here: "
+                + result.cron_problem
+            )
         click.echo("dry run: nothing was changed")
     elif not changed:
         click.echo("no changes")
+    if result.server is not None and result.run_mark is not None:
+        _check_cron_runs(target, result.server, result.run_mark, wait)
+
+
+def _check_cron_runs(target: Target, server: Any, mark: int, wait: float) -> None:
+    """Whether pg_cron can run the schema's jobs (after ``beat-sync``); exits 1 if not."""
+    from . import cron
+
+    try:
+        check = cron.check_runs(
+            target.url,
+            server,
+            cron.job_prefix(server.app_database, target.schema),
+            mark=mark,
+            wait=wait,
+            announce=lambda text: click.echo(text, err=True),
+        )
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    if check.ok is False:
+        _fail(cron.PgCronError(check.message))
+    elif check.message:
+        click.echo(check.message)
 
 
 @pgskip.command(name="beat-list")
+@_json_option
 @_cron_database_option
 @_url_option
 @_schema_option
 @click.pass_context
 def beat_list_cmd(
-    ctx: click.Context, cron_database: str | None, url: str | None, schema: str | None
+    ctx: click.Context,
+    as_json: bool,
+    cron_database: str | None,
+    url: str | None,
+    schema: str | None,
 ) -> None:
     """Stored periodic tasks and their pg_cron jobs.
 
-    Per entry: schedule, next run, last run, last message id; then the schema's pg_cron jobs."""
-    do_beat_list(_target(ctx, url, schema), cron_database)
+    Per entry: schedule, next run, last run, last message id; then the schema's pg_cron jobs.
+
+    \b
+    --json prints:
+    {"schema": "pgskip",
+     "entries": [{"name": "report", "task": "proj.report", "schedule": "...",
+                  "timezone": "UTC", "missed": "latest", "queues": ["default"],
+                  "next_run": "2026-01-31T12:00:00+00:00", "last_run": null,
+                  "last_task_id": null, "last_fired_at": null}],
+     "pg_cron": {"available": true, "version": "1.6", "database": "postgres",
+                 "jobs": [{"name": "...", "schedule": "* * * * *", "database": "app",
+                           "active": true, "last_run": null, "last_status": null,
+                           "last_message": null}]}}
+    Without a usable pg_cron: "pg_cron": {"available": false, "error": "..."}.
+    """
+    do_beat_list(_target(ctx, url, schema), cron_database, as_json)
 
 
 @pgskip.command(name="tick")
-@_maintenance_options
+@_tick_options
 @_url_option
 @_schema_option
 @click.pass_context
@@ -777,7 +1032,8 @@ def tick_cmd(
 ) -> None:
     """Fire due periodic tasks and run maintenance once.
 
-    The fallback without pg_cron: run it every minute. Maintenance settings: the options, over
+    The fallback without pg_cron: store the schedule with `celery -A proj pgskip beat-sync
+    --no-cron`, then run this every minute. Sweeping and pruning settings: the options, over
     app.conf.pgskip_maintenance under Celery."""
     target = _target(ctx, url, schema)
     do_tick(target, _maintenance_config(_app_or_none(ctx), maintenance))
@@ -825,6 +1081,7 @@ def cron_remove_cmd(
 @pgskip.command(name="failed")
 @_failed_filters
 @click.option("--full", is_flag=True, help="Print whole error texts.")
+@_json_option
 @_url_option
 @_schema_option
 @click.pass_context
@@ -835,16 +1092,29 @@ def failed_cmd(
     older_than: str | None,
     limit: int | None,
     full: bool,
+    as_json: bool,
     url: str | None,
     schema: str | None,
 ) -> None:
-    """List failed messages (dead letters) with their errors."""
+    """List failed messages (dead letters) with their errors.
+
+    At most --limit (default 100), oldest failure first.
+
+    \b
+    --json prints (whole error texts, as with --full):
+    {"messages": [{"id": 42, "queue": "default", "task": "proj.charge",
+                   "task_id": "...", "attempts": 20,
+                   "failed_at": "2026-01-31T12:00:00+00:00", "error": "Traceback ..."}]}
+    """
     target = _target(ctx, url, schema)
-    do_failed(target, _failed_filter(queue, task, older_than, limit or 100), full)
+    do_failed(target, _failed_filter(queue, task, older_than, limit or 100), full, as_json)
 
 
 @pgskip.command(name="retry-failed")
 @_failed_filters
+@click.option(
+    "--dry-run", is_flag=True, help="List the messages that would be retried; change nothing."
+)
 @_url_option
 @_schema_option
 @click.pass_context
@@ -854,13 +1124,16 @@ def retry_failed_cmd(
     task: str | None,
     older_than: str | None,
     limit: int | None,
+    dry_run: bool,
     url: str | None,
     schema: str | None,
 ) -> None:
     """Return failed messages to their queues.
 
     With a fresh attempt count; workers are woken."""
-    do_retry_failed(_target(ctx, url, schema), _failed_filter(queue, task, older_than, limit))
+    do_retry_failed(
+        _target(ctx, url, schema), _failed_filter(queue, task, older_than, limit), dry_run
+    )
 
 
 @pgskip.command(name="purge-failed")

@@ -19,16 +19,32 @@ How long a horizon has been held is a lower bound: the server's clock where this
 it (``state_change`` of an idle transaction, ``query_start`` of an active one, ``prepared`` of a
 prepared transaction), and otherwise how long this monitor has seen the same holder keep the
 same xmin.
+
+:class:`CronRunMonitor` reads ``cron.job_run_details`` for this database's and schema's pg_cron
+jobs (``pgskip:<database>:<schema>:fire``, ``...:sweep``...) and logs a WARNING for a job whose
+last runs all failed: what no longer happens (periodic tasks are not sent, old messages are not
+pruned) and what to change (for ``connection failed``: background workers, a ``.pgpass`` or a
+``trust`` line, see :func:`kombu_pgskip.cron.connection_remedy`). It checks
+:data:`CRON_FIRST_CHECK_S` seconds after the worker starts and then every :data:`CRON_CHECK_S`
+seconds, in a short-lived thread of its own so that a
+slow connection to pg_cron's database never delays a lease renewal, and repeats the warning for
+the same job at most every :data:`CRON_REPEAT_S` seconds. pg_cron shows a role only the runs of
+its own jobs: the worker sees them when it connects as the role that ran ``beat-sync`` (or as a
+superuser). Where pg_cron is not installed, or this role may not read it, the monitor stops,
+saying why at DEBUG level.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import cron
 from .sql import queries_in
 from .store import Store
 
@@ -201,4 +217,132 @@ def _fields(holder: HorizonHolder, held_for: float) -> dict[str, Any]:
     }
 
 
-__all__ = ["HorizonHolder", "HorizonMonitor", "read_holders"]
+#: Seconds from the start to the first check of the pg_cron jobs' runs.
+CRON_FIRST_CHECK_S = 60.0
+#: Seconds between two checks of the pg_cron jobs' runs.
+CRON_CHECK_S = 300.0
+#: A job whose last this many runs all failed is warned about.
+CRON_FAILED_RUNS = 3
+#: Seconds before the warning for the same failing job is repeated.
+CRON_REPEAT_S = 1800.0
+
+#: What stops happening while a job of ours fails, by the job name's last part.
+_CONSEQUENCES = {
+    "fire": "periodic tasks are not being sent",
+    "sweep": "messages of dead workers return to their queues only while a worker runs",
+    "prune": "completed and failed messages are not being pruned",
+    "cron-history": "pg_cron's run history (cron.job_run_details) is not being pruned",
+}
+
+
+class CronRunMonitor:
+    """Warns, throttled, when the last ``failed_runs`` runs of one of the schema's pg_cron jobs
+    all failed. Call :meth:`maybe_check` often; it returns at once."""
+
+    def __init__(
+        self,
+        url: str,
+        schema: str,
+        *,
+        first_check: float = CRON_FIRST_CHECK_S,
+        interval: float = CRON_CHECK_S,
+        failed_runs: int = CRON_FAILED_RUNS,
+        repeat: float = CRON_REPEAT_S,
+        cron_database: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.url = url
+        self.schema = schema
+        self.interval = interval
+        self.failed_runs = failed_runs
+        self.repeat = repeat
+        self.cron_database = cron_database or os.environ.get("PGSKIP_CRON_DATABASE") or None
+        self._clock = clock
+        self._server: cron.CronServer | None = None
+        self._disabled = False
+        self._next_check = clock() + first_check
+        self._last_warned: dict[str, float] = {}
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return not self._disabled
+
+    def maybe_check(self) -> None:
+        """Start a check in a thread of its own if the interval has passed and none runs."""
+        if self._disabled:
+            return
+        now = self._clock()
+        if now < self._next_check or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._next_check = now + self.interval
+        self._thread = threading.Thread(
+            target=self._check_quietly, name="pgskip-cron-check", daemon=True
+        )
+        self._thread.start()
+
+    def _check_quietly(self) -> None:
+        try:
+            self.check()
+        except Exception as exc:
+            logger.debug(
+                "could not read the runs of the pg_cron jobs (%s); will try again in %.0fs",
+                exc,
+                self.interval,
+                extra={"action": "cron_runs_check_failed"},
+            )
+
+    def check(self) -> list[str]:
+        """Check now; returns the jobs warned about."""
+        if self._disabled:
+            return []
+        try:
+            if self._server is None:
+                self._server = cron.locate(self.url, self.cron_database, schedule=False)
+            prefix = cron.job_prefix(self._server.app_database, self.schema)
+            with cron.cron_session(self.url, self._server) as conn:
+                runs = cron.recent_runs(conn, prefix, self.failed_runs)
+                settings = cron.read_settings(conn) if any(r.failed for r in runs) else None
+        except (cron.PgCronMissing, cron.PgCronPermissionDenied) as exc:
+            self._disabled = True
+            logger.debug(
+                "not checking the runs of the pg_cron jobs: %s",
+                exc,
+                extra={"action": "cron_runs_check_off"},
+            )
+            return []
+        by_job: dict[str, list[cron.Run]] = {}
+        for run in runs:
+            by_job.setdefault(run.job, []).append(run)
+        now = self._clock()
+        warned = []
+        for job, job_runs in sorted(by_job.items()):
+            if len(job_runs) < self.failed_runs or not all(r.failed for r in job_runs):
+                self._last_warned.pop(job, None)
+                continue
+            last = self._last_warned.get(job)
+            if last is not None and now - last < self.repeat:
+                continue
+            self._last_warned[job] = now
+            warned.append(job)
+            assert settings is not None
+            latest = job_runs[0]
+            consequence = _CONSEQUENCES.get(job[len(prefix) :], "it does nothing")
+            logger.warning(
+                "pg_cron's job %s failed its last %d runs (%s): %s. %s",
+                job,
+                len(job_runs),
+                latest.message or "no message",
+                consequence,
+                cron.failure_remedy(latest, settings),
+                extra={
+                    "action": "cron_job_failing",
+                    "cron_job": job,
+                    "failed_runs": len(job_runs),
+                    "cron_message": latest.message,
+                },
+            )
+        return warned
+
+
+__all__ = ["CronRunMonitor", "HorizonHolder", "HorizonMonitor", "read_holders"]

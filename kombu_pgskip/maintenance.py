@@ -320,7 +320,10 @@ def retry_failed(url: str, schema: str, filt: FailedFilter) -> int:
     count = int(rows[0][0])
     if count:
         logger.info(
-            "%d failed messages returned to pending", count, extra={"action": "retry_failed"}
+            "%d failed %s returned to pending",
+            count,
+            "message" if count == 1 else "messages",
+            extra={"action": "retry_failed"},
         )
     return count
 
@@ -329,5 +332,10 @@ def purge_failed(url: str, schema: str, filt: FailedFilter) -> int:
     """Delete matching failed messages; returns the exact number deleted."""
     count = int(_run(url, schema, "failed_purge", filt.params())[0][0])
     if count:
-        logger.info("%d failed messages deleted", count, extra={"action": "purge_failed"})
+        logger.info(
+            "%d failed %s deleted",
+            count,
+            "message" if count == 1 else "messages",
+            extra={"action": "purge_failed"},
+        )
     return count

@@ -9,12 +9,14 @@
    the payloads are kept as templates. Entries that cannot be honoured (``solar``, lazy
    ``BeatLazyFunc`` arguments, custom schedule classes) are refused all together, naming each
    entry and the reason, before anything is written: nothing is half-synced;
-2. checks that pg_cron can be used (:func:`kombu_pgskip.cron.locate`);
+2. checks that pg_cron can be used (:func:`kombu_pgskip.cron.locate`; a dry run goes on
+   without it and says why it could not be used);
 3. in one transaction, inserts new entries, updates changed ones, deletes the ones that left
    the config, and reports each change; running it again changes nothing;
 4. installs or updates one pg_cron job per database and schema that runs
    ``SELECT <schema>.fire_due()`` every minute (in another database than pg_cron's through
-   ``cron.schedule_in_database``).
+   ``cron.schedule_in_database``). ``pgskip beat-sync`` then checks, from
+   ``cron.job_run_details``, that pg_cron can run it (:func:`kombu_pgskip.cron.check_runs`).
 
 ``fire_due()`` inserts each due slot's messages with a fresh task id; each (entry, slot) gets
 exactly one message however often and from wherever it runs (a row lock per entry and a
@@ -190,6 +192,13 @@ class SyncResult:
     changes: list[Change]
     cron_changes: list[str]
     dry_run: bool
+    #: Where pg_cron is (None with ``use_cron=False``, and in a dry run without pg_cron).
+    server: cron.CronServer | None = None
+    #: The newest run id of the schema's pg_cron jobs before this sync (for
+    #: :func:`kombu_pgskip.cron.check_runs`); None in a dry run and without pg_cron.
+    run_mark: int | None = None
+    #: In a dry run: why pg_cron cannot be used (a real sync would stop with this).
+    cron_problem: str | None = None
 
     @property
     def changed(self) -> bool:
@@ -660,24 +669,45 @@ def beat_sync(
     and its messages built; pg_cron and the role's privileges are checked; the entries are
     written in one transaction; then the pg_cron job is installed (idempotent, so running
     the command again after fixing a pg_cron problem completes it).
+
+    A dry run needs no pg_cron: when it cannot be used, the reason is in the result's
+    ``cron_problem`` instead of raised.
     """
     now, _ = db_clock(url)
     plans = plan_entries(app, now=now, policy=policy)
-    server = cron.locate(url, cron_database) if use_cron else None
+    server: cron.CronServer | None = None
+    cron_problem: str | None = None
+    if use_cron:
+        try:
+            server = cron.locate(url, cron_database)
+        except cron.PgCronError as exc:
+            if not dry_run:
+                raise
+            cron_problem = str(exc)
     changes = store_entries(url, schema, plans, dry_run=dry_run)
     cron_changes: list[str] = []
+    mark: int | None = None
     if server is not None and not dry_run:
+        prefix = cron.job_prefix(server.app_database, schema)
         with cron.cron_session(url, server) as conn:
+            mark = cron.run_mark(conn, prefix)
             cron_changes = cron.ensure_jobs(
                 conn,
                 server,
                 fire_job(server, schema, plans, conn),
-                manage_prefixes=[cron.job_prefix(server.app_database, schema) + "fire"],
+                manage_prefixes=[prefix + "fire"],
             )
     for change in changes:
         if change.sign != "=":
             logger.info("beat-sync %s", change, extra={"action": "beat_sync"})
-    return SyncResult(changes=changes, cron_changes=cron_changes, dry_run=dry_run)
+    return SyncResult(
+        changes=changes,
+        cron_changes=cron_changes,
+        dry_run=dry_run,
+        server=server,
+        run_mark=mark,
+        cron_problem=cron_problem,
+    )
 
 
 # -- reading and firing ------------------------------------------------------------------------

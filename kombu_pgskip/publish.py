@@ -85,13 +85,14 @@ from .adapters import (
 )
 from .executor import CallerConnection
 from .migrate import Applied, latest_version, require_version
+from .options import CALLER_CONNECTION_OPTION
 from .sql import quote_ident
 from .store import Store
 from .transport import Channel, Options, Transport
 
 logger = logging.getLogger(__name__)
 
-_ADAPTER_OPTION = "pgskip_caller_connection"
+_ADAPTER_OPTION = CALLER_CONNECTION_OPTION
 
 # The schema check, as migrate.check_schema does it, in statements that cannot fail (and so
 # cannot abort the caller's transaction) when the schema is missing.

@@ -154,6 +154,13 @@ option                        default    meaning
                                          prune job's ``completed_retention``). False: an ack
                                          deletes it; failed messages are kept either way
 ============================  =========  ==========================================================
+
+Any other key is refused with a ``ConfigurationError`` that names it and the closest option,
+except the keys kombu and Celery put into every transport's options (the retry policy:
+``max_retries``, ``interval_start``, ``interval_step``, ``interval_max``, ...; see
+``kombu_pgskip.options.KOMBU_OPTIONS``) and other kombu transports' options
+(``visibility_timeout``, ``confirm_publish``, ...), which do nothing here and are named in a
+WARNING once per process.
 """
 
 from __future__ import annotations

@@ -41,9 +41,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ "$want" != "$(cat "$STAMP" 2>/dev/null || true)" ]; then
-    echo "celery-integration: installing kombu-pgskip[test,celery-integration] into $VENV"
+    echo "celery-integration: installing kombu-pgskip[binary,test,celery-integration] into $VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -e "${ROOT}[test,celery-integration]"
+    "$VENV/bin/python" -m pip install -q -e "${ROOT}[binary,test,celery-integration]"
     echo "$want" >"$STAMP"
 fi
 

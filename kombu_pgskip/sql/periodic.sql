@@ -173,9 +173,43 @@ SELECT jobid, jobname, schedule, command, database, active
 -- cron_unschedule: remove one job
 SELECT cron.unschedule(%(jobid)s::bigint);
 
--- cron_last_runs: the latest run of each job whose name starts with the prefix
+-- cron_last_runs: the latest run of each job whose name starts with the prefix (by run id: a run that could not connect has no start time)
 SELECT DISTINCT ON (j.jobname) j.jobname, d.status, d.start_time, d.return_message
   FROM cron.job AS j
   JOIN cron.job_run_details AS d ON d.jobid = j.jobid
  WHERE starts_with(j.jobname, %(prefix)s)
- ORDER BY j.jobname, d.start_time DESC NULLS LAST;
+ ORDER BY j.jobname, d.runid DESC;
+
+-- cron_settings: how pg_cron runs jobs and the server's port; a row only for what this role may read (the cron.* settings are superusers' and pg_read_all_settings')
+SELECT name, setting
+  FROM pg_settings
+ WHERE name IN ('cron.host', 'cron.use_background_workers', 'cron.log_run', 'port');
+
+-- cron_run_mark: the newest run id of the jobs whose name starts with the prefix (0 when none); later runs have higher ids
+SELECT COALESCE(max(d.runid), 0)
+  FROM cron.job AS j
+  JOIN cron.job_run_details AS d ON d.jobid = j.jobid
+ WHERE starts_with(j.jobname, %(prefix)s);
+
+-- cron_runs_after: the runs, finished or not, of the jobs whose name starts with the prefix with a run id above the mark, newest first; a run that could not connect has no start or end time
+SELECT j.jobname, d.runid, d.status, d.return_message, d.database, d.username, d.end_time,
+       extract(epoch FROM now() - d.end_time)::float8
+  FROM cron.job AS j
+  JOIN cron.job_run_details AS d ON d.jobid = j.jobid
+ WHERE starts_with(j.jobname, %(prefix)s) AND d.runid > %(mark)s
+ ORDER BY d.runid DESC
+ LIMIT 50;
+
+-- cron_recent_runs: the latest finished runs (at most per_job) of each job whose name starts with the prefix, newest first
+SELECT j.jobname, r.runid, r.status, r.return_message, r.database, r.username, r.end_time,
+       extract(epoch FROM now() - r.end_time)::float8
+  FROM cron.job AS j
+ CROSS JOIN LATERAL (
+        SELECT d.runid, d.status, d.return_message, d.database, d.username, d.end_time
+          FROM cron.job_run_details AS d
+         WHERE d.jobid = j.jobid AND d.status IN ('succeeded', 'failed')
+         ORDER BY d.runid DESC
+         LIMIT %(per_job)s
+  ) AS r
+ WHERE starts_with(j.jobname, %(prefix)s)
+ ORDER BY r.runid DESC;

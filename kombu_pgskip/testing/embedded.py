@@ -4,8 +4,8 @@
 starts a private server on ``127.0.0.1`` with a free port (and, by default,
 ``pg_cron`` preloaded), and deletes everything again on :meth:`cleanup`.
 It is meant for tests and demos only, **never for production**: it trusts
-every local connection without a password, and with ``fsync=False`` an
-operating-system crash can corrupt it.
+every local connection without a password (except where ``hba`` lines say
+otherwise), and with ``fsync=False`` an operating-system crash can corrupt it.
 
 Usage::
 
@@ -176,6 +176,12 @@ class EmbeddedPostgres:
     :param bindir: directory holding ``initdb``, ``pg_ctl`` and ``postgres``;
         it wins over :func:`find_bindir`. Raises :class:`RuntimeError` at
         :meth:`start` when it has no ``initdb``.
+    :param hba: ``pg_hba.conf`` lines put above the default ones, which
+        trust every local connection; the first line that matches a
+        connection decides, so ``host all app 127.0.0.1/32 scram-sha-256``
+        makes role ``app`` give its password over TCP while ``postgres``
+        stays trusted. :attr:`hba_path` is the file, for later changes
+        (``SELECT pg_reload_conf()`` applies them).
     """
 
     def __init__(
@@ -187,6 +193,7 @@ class EmbeddedPostgres:
         base_dir: str | None = None,
         extra_conf: dict[str, str] | None = None,
         bindir: str | os.PathLike[str] | None = None,
+        hba: Sequence[str] | None = None,
     ) -> None:
         self._requested_bindir = Path(bindir) if bindir is not None else None
         self._requested_port = port
@@ -194,6 +201,7 @@ class EmbeddedPostgres:
         self._pg_cron = pg_cron
         self._base_dir = base_dir
         self._extra_conf = dict(extra_conf or {})
+        self._hba = list(hba or ())
         self._bindir: Path | None = None
         self._root: Path | None = None
         self._port: int | None = None
@@ -220,6 +228,11 @@ class EmbeddedPostgres:
     @property
     def data_dir(self) -> str:
         return str(self._require_root() / "data")
+
+    @property
+    def hba_path(self) -> str:
+        """The server's ``pg_hba.conf``."""
+        return str(self._require_root() / "data" / "pg_hba.conf")
 
     @property
     def log_path(self) -> str:
@@ -278,6 +291,8 @@ class EmbeddedPostgres:
             if server_user is not None:
                 os.chown(self._root, server_user.pw_uid, server_user.pw_gid)
             self._initdb()
+            if self._hba:
+                self._prepend_hba(self._hba)
             self._start_server(preload)
             if self._pg_cron:
                 with psycopg.connect(self.dsn("postgres"), autocommit=True) as conn:
@@ -470,6 +485,11 @@ class EmbeddedPostgres:
             )
             shutil.rmtree(self.data_dir, ignore_errors=True)
             _run([*base, "--locale=C"], as_server_user=True, cwd=self.base_path)
+
+    def _prepend_hba(self, lines: Sequence[str]) -> None:
+        """Put ``lines`` above the lines initdb wrote (which trust every local connection)."""
+        hba = Path(self.hba_path)
+        hba.write_text("".join(line.rstrip("\n") + "\n" for line in lines) + hba.read_text())
 
     def _write_conf(self, port: int, preload: str | None) -> None:
         settings: dict[str, str] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,8 +14,9 @@ import psycopg
 import pytest
 from celery import Celery
 
+import kombu_pgskip
 from tests.acceptance.conftest import APPS_DIR
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, CeleryWorker
 
 pytestmark = pytest.mark.acceptance
 
@@ -23,12 +25,23 @@ URL_ENV = ("PGSKIP_URL", "PGSKIP_OWNER_URL")
 
 
 def run(
-    args: list[str], broker: str, timeout: float = 60, url_env: dict[str, str] | None = None
+    args: list[str],
+    broker: str,
+    timeout: float = 60,
+    url_env: dict[str, str] | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``args`` in tests/apps, ``taskapp``'s broker set to ``broker``; of the environment
-    variables ``--url`` reads (PGSKIP_URL, PGSKIP_OWNER_URL) only those in ``url_env``."""
+    variables ``--url`` reads (PGSKIP_URL, PGSKIP_OWNER_URL) only those in ``url_env``;
+    ``extra_env`` on top (``PGSKIP_OPT_<NAME>``: ``taskapp``'s transport option ``name``)."""
     inherited = {k: v for k, v in os.environ.items() if k not in URL_ENV}
-    env = dict(inherited, PGSKIP_BROKER_URL=broker, PYTHONPATH=str(REPO_ROOT), **(url_env or {}))
+    env = dict(
+        inherited,
+        PGSKIP_BROKER_URL=broker,
+        PYTHONPATH=str(REPO_ROOT),
+        **(url_env or {}),
+        **(extra_env or {}),
+    )
     return subprocess.run(
         args, cwd=APPS_DIR, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -199,13 +212,54 @@ def test_worker_against_a_database_without_schema_says_run_migrate(empty_db_url:
     assert "celery -A proj pgskip migrate" in result.stdout + result.stderr
 
 
+def test_version_under_celery_and_python_m() -> None:
+    expected = f"kombu-pgskip {kombu_pgskip.__version__}\n"
+    for result in (celery("pgskip", "--version", broker=NOWHERE), python_m("--version")):
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == expected
+
+
+def test_status_right_after_migrate_and_with_a_worker_running(empty_db_url: str) -> None:
+    broker = _broker(empty_db_url)
+    migrated = celery("pgskip", "migrate", broker=broker)
+    assert migrated.returncode == 0, migrated.stderr
+    for status in (
+        celery("pgskip", "status", broker=broker),
+        python_m("status", url_env={"PGSKIP_URL": empty_db_url}),
+    ):
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.splitlines()[1] == "(no messages)", status.stdout
+    with CeleryWorker("taskapp", broker, cwd=APPS_DIR, queues=["default"]):
+        for status in (
+            celery("pgskip", "status", broker=broker),
+            python_m("status", url_env={"PGSKIP_URL": empty_db_url}),
+            celery("pgskip", "status", "--json", broker=broker),
+        ):
+            assert status.returncode == 0, status.stderr
+            assert "Traceback" not in status.stderr
+        assert json.loads(status.stdout)["queues"] == []
+
+
+def test_worker_refuses_a_misspelled_transport_option(db_url: str) -> None:
+    result = run(
+        [sys.executable, "-m", "celery", "-A", "taskapp", "worker", "-P", "solo",
+         "--without-gossip", "--without-mingle", "--without-heartbeat"],
+        _broker(db_url),
+        extra_env={"PGSKIP_OPT_POLLING_INTERVALL": "0.5"},
+    )  # fmt: skip
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "unknown transport option 'polling_intervall'" in output, output
+    assert "did you mean 'polling_interval'?" in output, output
+
+
 def test_wheel_ships_every_module_the_migrations_and_sql(tmp_path: Path) -> None:
     # Built from a copy of the files the wheel is made of: an in-tree build reuses build/lib,
     # which keeps modules deleted from the source tree and ships them.
     src = tmp_path / "src"
-    for name in ("kombu_pgskip", "migrations"):
+    for name in ("kombu_pgskip", "migrations", "build_backend"):
         shutil.copytree(REPO_ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("_kombu_pgskip_alias.py", "pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(REPO_ROOT / name, src / name)
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
@@ -218,12 +272,14 @@ def test_wheel_ships_every_module_the_migrations_and_sql(tmp_path: Path) -> None
     # Every module of the source tree and nothing else: a subpackage missing from
     # [tool.setuptools] packages would be left out.
     modules = {p.relative_to(src).as_posix() for p in (src / "kombu_pgskip").rglob("*.py")}
-    assert {n for n in names if n.endswith(".py")} == modules
+    assert {n for n in names if n.endswith(".py")} == modules | {"_kombu_pgskip_alias.py"}
+    assert "kombu_pgskip.pth" in names  # registers pgskip:// at start-up
     # The demo starts its throwaway cluster from the installed package.
     assert "kombu_pgskip/testing/embedded.py" in names
     assert "kombu_pgskip/migrations/0001_initial.sql" in names
     for runtime in ("publish", "consume", "queues", "maintenance"):
         assert f"kombu_pgskip/sql/{runtime}.sql" in names
     assert "kombu_pgskip/py.typed" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "pgskip = kombu_pgskip.cli:pgskip" in zipfile.ZipFile(wheel).read(entry_points).decode()

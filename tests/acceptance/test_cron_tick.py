@@ -52,7 +52,8 @@ def test_a_real_pg_cron_tick_sends_a_message_a_real_worker_runs(
     dbname = db_url.rsplit("/", 1)[1]
     try:
         sync = subprocess.run(
-            [sys.executable, "-m", "celery", "-A", "beatapp", "pgskip", "beat-sync"],
+            # --wait 0: the worker below waits for pg_cron's first run instead.
+            [sys.executable, "-m", "celery", "-A", "beatapp", "pgskip", "beat-sync", "--wait", "0"],
             cwd=APPS_DIR, env=env, capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert sync.returncode == 0, sync.stdout + sync.stderr

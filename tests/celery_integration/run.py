@@ -1,6 +1,6 @@
 """Run Celery's own integration suite (``t/integration`` of the celery sdist) against pgskip.
 
-Usage (the venv needs ``pip install -e .[test]`` plus the suite's plugins; see
+Usage (the venv needs ``pip install -e .[binary,test]`` plus the suite's plugins; see
 ``scripts/celery-integration.sh``, which sets everything up)::
 
     python -m tests.celery_integration.run [--configs pgskip/redis,pgskip/postgresql,...]

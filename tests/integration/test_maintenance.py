@@ -281,7 +281,7 @@ def test_failed_messages_can_be_listed_retried_and_purged_with_filters(db_url: s
     retried = runner.invoke(
         main, ["retry-failed", *base, "--task", "billing.*", "--older-than", "1d"]
     )
-    assert retried.exit_code == 0 and "1 failed messages returned to pending" in retried.output
+    assert retried.exit_code == 0 and "1 failed message returned to pending" in retried.output
     with psycopg.connect(db_url) as conn:
         row = conn.execute(
             "SELECT status::text, attempts, finished_at FROM pgskip.jobs WHERE id = %s", (a1,)
@@ -289,7 +289,7 @@ def test_failed_messages_can_be_listed_retried_and_purged_with_filters(db_url: s
     assert row == ("pending", 0, None)
 
     purged = runner.invoke(main, ["purge-failed", *base, "--older-than", "2d", "--yes"])
-    assert purged.exit_code == 0 and "1 failed messages deleted" in purged.output
+    assert purged.exit_code == 0 and "1 failed message deleted" in purged.output
     with psycopg.connect(db_url) as conn:
         assert _statuses(conn).get(b1) is None and _statuses(conn)[a2] == "failed"
 

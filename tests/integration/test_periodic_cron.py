@@ -1,23 +1,76 @@
 """pg_cron problems come with the fix: missing or not loaded (what to install, the preload line,
-the fallback), and a role without privileges (the GRANTs, which then work)."""
+the fallback and the `beat-sync --no-cron` step it needs), a role without privileges (the
+GRANTs, which then work), and jobs pg_cron cannot run because pg_hba.conf asks its connection
+for a password: beat-sync finds it in their first run and says what to change, and workers
+warn while the runs keep failing. Without pg_cron, `beat-sync --dry-run` still prints the plan
+and `cron-remove` has nothing to remove."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import subprocess
+import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
+from click.testing import CliRunner
 from psycopg import sql
 
 from kombu_pgskip import cron
+from kombu_pgskip.__main__ import main
+from kombu_pgskip.health import CronRunMonitor
 from kombu_pgskip.migrate import migrate
 from kombu_pgskip.periodic import beat_sync
 from kombu_pgskip.testing.embedded import EmbeddedPostgres, find_bindir
-from tests.helpers import make_url
+from tests.helpers import REPO_ROOT, make_url
 from tests.periodic_support import make_app
+
+APPS_DIR = str(REPO_ROOT / "tests" / "apps")
+
+
+def _start_celery(args: list[str], url: str, schedule: str) -> subprocess.Popen[str]:
+    """``celery -A beatapp pgskip <args>`` with the broker at ``url`` and the named schedule."""
+    broker = url.replace("postgresql://", "pgskip://", 1)
+    env = dict(os.environ, PGSKIP_BROKER_URL=broker, PGSKIP_BEAT_SCHEDULE=schedule)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "beatapp", "pgskip", *args],
+        cwd=APPS_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _celery(
+    args: list[str], url: str, schedule: str, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return _finish(_start_celery(args, url, schedule), timeout)
+
+
+def _local_binaries() -> None:
+    """Servers of the test's own need local PostgreSQL binaries (skips only against an
+    external server without them)."""
+    try:
+        find_bindir()
+    except RuntimeError as exc:
+        if os.environ.get("PGSKIP_TEST_DSN"):
+            pytest.skip(f"no local PostgreSQL binaries and PGSKIP_TEST_DSN is set: {exc}")
+        raise
 
 
 @pytest.fixture
@@ -87,12 +140,7 @@ def test_role_without_privileges_gets_the_grants_that_fix_it(
 
 @pytest.fixture(scope="module")
 def server_without_pg_cron() -> Iterator[str]:
-    try:
-        find_bindir()
-    except RuntimeError as exc:
-        if os.environ.get("PGSKIP_TEST_DSN"):
-            pytest.skip(f"no local PostgreSQL binaries and PGSKIP_TEST_DSN is set: {exc}")
-        raise
+    _local_binaries()
     with EmbeddedPostgres(fsync=False, pg_cron=False) as pg:
         with psycopg.connect(pg.dsn(), autocommit=True) as conn:
             conn.execute("CREATE DATABASE app")
@@ -112,7 +160,8 @@ def test_missing_pg_cron_names_the_preload_line_and_the_fallback(
     assert "shared_preload_libraries = 'pg_cron'" in message
     assert "cron.database_name = 'postgres'" in message
     assert "CREATE EXTENSION pg_cron" in message
-    assert "pgskip tick" in message  # the fallback
+    assert "pgskip tick" in message  # the fallback, and the step it needs first:
+    assert "`celery -A proj pgskip beat-sync --no-cron`" in message
     with psycopg.connect(server_without_pg_cron) as conn:
         assert conn.execute("SELECT count(*) FROM pgskip.beat_entries").fetchone() == (0,)
     # The fallback works: store without pg_cron, fire from outside.
@@ -128,3 +177,321 @@ def test_missing_pg_cron_names_the_preload_line_and_the_fallback(
     # 'latest': the missed slots (all of them until 2100) collapse; those within the grace
     # period and the coming minute fire.
     assert row is not None and 1 <= row[0] <= 4
+
+
+def _entries(url: str) -> list[str]:
+    with psycopg.connect(url) as conn:
+        return [r[0] for r in conn.execute("SELECT name FROM pgskip.beat_entries ORDER BY name")]
+
+
+def test_dry_run_prints_the_plan_without_pg_cron(server_without_pg_cron: str) -> None:
+    before = _entries(server_without_pg_cron)
+    proc = _celery(["beat-sync", "--dry-run"], server_without_pg_cron, "default")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "+ nightly-billing: billing.run crontab(0 0 * * *) [Europe/Berlin]" in proc.stdout
+    assert "pg_cron cannot be used; without --dry-run, beat-sync would stop here" in proc.stdout
+    assert "shared_preload_libraries = 'pg_cron'" in proc.stdout
+    assert proc.stdout.rstrip().endswith("dry run: nothing was changed")
+    assert _entries(server_without_pg_cron) == before
+    # Without --dry-run it stops, and names the way without pg_cron.
+    real = _celery(["beat-sync"], server_without_pg_cron, "default")
+    assert real.returncode == 1 and "beat-sync --no-cron" in real.stderr
+    assert _entries(server_without_pg_cron) == before
+
+
+def test_cron_remove_without_pg_cron_has_nothing_to_remove(server_without_pg_cron: str) -> None:
+    for args in (["cron-remove"], ["maintenance", "--remove"]):
+        result = CliRunner().invoke(main, [*args, "--url", server_without_pg_cron])
+        assert result.exit_code == 0, result.output
+        assert result.output.startswith("nothing to remove: pg_cron is not "), result.output
+    installing = CliRunner().invoke(main, ["maintenance", "--url", server_without_pg_cron])
+    assert installing.exit_code == 1 and "shared_preload_libraries" in installing.output
+
+
+def test_tick_help_shows_only_the_options_tick_uses() -> None:
+    result = CliRunner().invoke(main, ["tick", "--help"])
+    assert result.exit_code == 0, result.output
+    for used in ("--max-attempts", "--completed-retention", "--failed-retention",
+                 "--prune-batch", "--url", "--schema"):  # fmt: skip
+        assert used in result.output
+    for unused in ("--sweep-schedule", "--prune-schedule", "--cron-history-schedule",
+                   "--cron-history-retention", "--cron-database"):  # fmt: skip
+        assert unused not in result.output
+    assert "beat-sync --no-cron" in " ".join(result.output.split())
+
+
+# -- whether pg_cron can run the jobs ------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_job(db_url: str, pg_cron_database: str) -> Iterator[tuple[str, str]]:
+    """(job name, URL of pg_cron's database): this database's and schema's firing job, scheduled
+    for midnight on January 1st only; the tests write its runs themselves."""
+    name = f"pgskip:{db_url.rsplit('/', 1)[1]}:pgskip:fire"
+    cron_url = make_url(db_url, pg_cron_database)
+    with psycopg.connect(cron_url, autocommit=True) as conn:
+        conn.execute(
+            "SELECT cron.schedule_in_database(%s, '0 0 1 1 *', 'SELECT 1', %s)",
+            (name, db_url.rsplit("/", 1)[1]),
+        )
+    try:
+        yield name, cron_url
+    finally:
+        with psycopg.connect(cron_url, autocommit=True) as conn:
+            conn.execute(
+                "DELETE FROM cron.job_run_details"
+                " WHERE jobid IN (SELECT jobid FROM cron.job WHERE jobname = %s)",
+                (name,),
+            )
+            conn.execute("SELECT cron.unschedule(jobid) FROM cron.job WHERE jobname = %s", (name,))
+
+
+def _add_run(cron_url: str, job: str, status: str, message: str) -> None:
+    """A finished run of ``job``, as pg_cron records it: a run that could not connect has no
+    start and end time."""
+    connected = message not in cron.CONNECTION_FAILURES
+    with psycopg.connect(cron_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO cron.job_run_details (jobid, runid, database, username, command, status,"
+            " return_message, start_time, end_time)"
+            " SELECT jobid, nextval('cron.runid_seq'), database, username, command, %s, %s,"
+            " CASE WHEN %s THEN now() END, CASE WHEN %s THEN now() END"
+            " FROM cron.job WHERE jobname = %s",
+            (status, message, connected, connected, job),
+        )
+
+
+def _mark(url: str, server: cron.CronServer, prefix: str) -> int:
+    with cron.cron_session(url, server) as conn:
+        return cron.run_mark(conn, prefix)
+
+
+class FakeTime:
+    """A clock and a sleep for :func:`cron.check_runs`; ``on_sleep`` runs at each sleep."""
+
+    def __init__(self, on_sleep: Callable[[], None] | None = None) -> None:
+        self.now = 0.0
+        self.on_sleep = on_sleep
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        if self.on_sleep is not None:
+            self.on_sleep()
+
+
+def test_check_runs_judges_by_the_jobs_runs_and_names_the_fix(
+    db_url: str, fake_job: tuple[str, str]
+) -> None:
+    job, cron_url = fake_job
+    dbname, port = db_url.rsplit("/", 1)[1], urlsplit(db_url).port
+    server = cron.locate(db_url)
+    prefix = cron.job_prefix(dbname, "pgskip")
+
+    def check(
+        wait: float = 0, announce: Callable[[str], None] | None = None, time: FakeTime | None = None
+    ) -> cron.RunCheck:
+        time = time or FakeTime()
+        return cron.check_runs(
+            db_url, server, prefix, mark=mark, wait=wait, announce=announce,
+            clock=time.clock, sleep=time.sleep,
+        )  # fmt: skip
+
+    # No run yet: nothing to judge by; waiting for one that never comes fails.
+    mark = _mark(db_url, server, prefix)
+    assert check().ok is None and "has not run these jobs yet" in check().message
+    announced: list[str] = []
+    idle = FakeTime()
+    late = check(5, announce=announced.append, time=idle)
+    assert late.ok is False and "did not run these jobs within 5 s" in late.message
+    assert announced and "at most 5 s" in announced[0] and "--wait 0" in announced[0]
+
+    # A run since the mark that could not connect: the three ways out, for this job.
+    _add_run(cron_url, job, "failed", "connection failed")
+    failed = check()
+    assert failed.ok is False
+    text = failed.message
+    assert f"pg_cron's run of job {job} failed: connection failed" in text
+    assert f"new connection to localhost port {port}, database {dbname!r}" in text
+    assert "cron.use_background_workers = on" in text
+    assert f"localhost:{port}:{dbname}:postgres:PASSWORD" in text
+    assert f"host  {dbname}  postgres  127.0.0.1/32  trust" in text
+    assert "SELECT pg_reload_conf();" in text
+
+    # The newest run decides: a success after the failure.
+    _add_run(cron_url, job, "succeeded", "1 row")
+    assert check().ok is True
+
+    # After a new sync (mark), a recent success is enough, without waiting.
+    mark = _mark(db_url, server, prefix)
+    assert check(90).ok is True
+
+    # A failure since: waiting, the next run decides.
+    _add_run(cron_url, job, "failed", "connection failed")
+    mark = _mark(db_url, server, prefix)
+    assert check().ok is False  # --wait 0: the latest run failed
+    then = FakeTime(on_sleep=lambda: _add_run(cron_url, job, "succeeded", "1 row"))
+    assert check(30, time=then).ok is True
+
+    # A command that fails is not a connection problem.
+    mark = _mark(db_url, server, prefix)
+    _add_run(cron_url, job, "failed", 'ERROR:  schema "pgskip" does not exist')
+    broken = check()
+    assert broken.ok is False and "The job connected and its command failed" in broken.message
+    assert "pg_hba.conf" not in broken.message
+
+
+def test_workers_warn_while_the_last_runs_of_a_job_fail(
+    db_url: str, fake_job: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    job, cron_url = fake_job
+    clock = FakeTime()
+    monitor = CronRunMonitor(db_url, "pgskip", failed_runs=3, repeat=600, clock=clock.clock)
+    caplog.set_level(logging.WARNING, logger="kombu_pgskip.health")
+    _add_run(cron_url, job, "succeeded", "1 row")
+    for _ in range(2):
+        _add_run(cron_url, job, "failed", "connection failed")
+    assert monitor.check() == []  # two failures after a success: not yet
+    _add_run(cron_url, job, "failed", "connection failed")
+    assert monitor.check() == [job]
+    (record,) = [r for r in caplog.records if r.name == "kombu_pgskip.health"]
+    text = record.getMessage()
+    assert record.levelno == logging.WARNING
+    assert f"pg_cron's job {job} failed its last 3 runs (connection failed): periodic tasks" in text
+    assert "cron.use_background_workers = on" in text and "pg_hba.conf" in text
+    assert record.__dict__["action"] == "cron_job_failing"
+    assert monitor.check() == []  # said once per `repeat`
+    clock.now += 601
+    assert monitor.check() == [job]
+    _add_run(cron_url, job, "succeeded", "1 row")
+    assert monitor.check() == []
+    # From the heartbeat thread: maybe_check runs the check in a thread of its own.
+    for _ in range(3):
+        _add_run(cron_url, job, "failed", "connection failed")
+    caplog.clear()
+    monitor.maybe_check()
+    assert monitor._thread is not None
+    monitor._thread.join(timeout=30)
+    (again,) = [r for r in caplog.records if r.name == "kombu_pgskip.health"]
+    assert again.getMessage().startswith(f"pg_cron's job {job} failed its last 3 runs")
+
+
+def test_workers_stop_checking_where_they_cannot_read_pg_cron(
+    server_without_pg_cron: str, limited_role: tuple[str, str]
+) -> None:
+    for url in (server_without_pg_cron, limited_role[1]):
+        monitor = CronRunMonitor(url, "pgskip", failed_runs=1)
+        assert monitor.check() == [] and not monitor.enabled
+
+
+SECRET = "app-secret"
+
+
+@contextmanager
+def _asking_for_a_password(**conf: str) -> Iterator[tuple[EmbeddedPostgres, str]]:
+    """(server, URL of role ``app`` on its database ``app``): pg_cron loaded, and pg_hba.conf
+    asking ``app`` for its password (scram-sha-256) over TCP, as many installations do."""
+    _local_binaries()
+    hba = [
+        "host  all  app  127.0.0.1/32  scram-sha-256",
+        "host  all  app  ::1/128  scram-sha-256",
+    ]
+    with EmbeddedPostgres(fsync=False, hba=hba, extra_conf=conf) as pg:
+        with psycopg.connect(pg.dsn(), autocommit=True) as conn:
+            conn.execute(f"CREATE ROLE app LOGIN PASSWORD '{SECRET}'")
+            conn.execute("CREATE DATABASE app OWNER app")
+            conn.execute("GRANT USAGE ON SCHEMA cron TO app")
+            conn.execute(
+                "GRANT EXECUTE ON FUNCTION"
+                " cron.schedule_in_database(text,text,text,text,text,boolean) TO app"
+            )
+        url = f"postgresql://app:{SECRET}@127.0.0.1:{pg.port}/app"
+        migrate(url)
+        yield pg, url
+
+
+@pytest.fixture(scope="module")
+def password_server() -> Iterator[tuple[EmbeddedPostgres, str]]:
+    with _asking_for_a_password() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def password_server_with_background_workers() -> Iterator[tuple[EmbeddedPostgres, str]]:
+    """The same, with ``cron.use_background_workers = on``."""
+    with _asking_for_a_password(**{"cron.use_background_workers": "on"}) as server:
+        yield server
+
+
+@pytest.mark.slow
+def test_beat_sync_finds_pg_cron_cannot_connect_and_its_advice_fixes_it(
+    password_server: tuple[EmbeddedPostgres, str],
+    password_server_with_background_workers: tuple[EmbeddedPostgres, str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pg, url = password_server
+    # Both wait for pg_cron's next minute: side by side.
+    syncing = _start_celery(["beat-sync"], url, "tick")
+    with_workers = _start_celery(["beat-sync"], password_server_with_background_workers[1], "tick")
+    with contextlib.ExitStack() as cleanup:
+        for proc in (syncing, with_workers):
+            cleanup.callback(_reap, proc)
+        _check_beat_sync_advice(pg, url, syncing, with_workers, caplog)
+
+
+def _reap(proc: subprocess.Popen[str]) -> None:
+    """A process a failed assertion left running: killed, its pipes closed."""
+    if proc.poll() is None:
+        proc.kill()
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+    proc.wait()
+
+
+def _check_beat_sync_advice(
+    pg: EmbeddedPostgres,
+    url: str,
+    syncing: subprocess.Popen[str],
+    with_workers: subprocess.Popen[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    failed = _finish(syncing, timeout=240)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    # What was done comes first; then what pg_cron's first run found (beat-sync says it waits
+    # for that run unless the minute turned between the install and the check).
+    assert "+ every-minute: beatapp.record crontab(* * * * *)" in failed.stdout
+    assert "pg_cron job pgskip:app:pgskip:fire installed" in failed.stdout
+    err = failed.stderr
+    assert "failed: connection failed" in err
+    assert f"new connection to localhost (cron.host, by default localhost) port {pg.port}" in err
+    assert "cron.use_background_workers = on" in err
+    assert f"localhost:{pg.port}:app:app:PASSWORD" in err
+    trust = [line.strip() for line in err.splitlines() if line.strip().startswith("host  app")]
+    assert trust == ["host  app  app  127.0.0.1/32  trust", "host  app  app  ::1/128  trust"]
+
+    listing = _celery(["beat-list"], url, "tick")
+    assert "failed (connection failed)" in listing.stdout, listing.stdout + listing.stderr
+    assert "cron.use_background_workers = on" in listing.stdout  # and what to change
+
+    # A worker connected as that role warns.
+    caplog.set_level(logging.WARNING, logger="kombu_pgskip.health")
+    warned = CronRunMonitor(url, "pgskip", failed_runs=1).check()
+    assert "pgskip:app:pgskip:fire" in warned
+    assert any("periodic tasks are not being sent" in r.getMessage() for r in caplog.records)
+
+    # Background workers need no connection: the same pg_hba.conf, and pg_cron runs the jobs.
+    workers = _finish(with_workers, timeout=240)
+    assert workers.returncode == 0, workers.stdout + workers.stderr
+    assert "pg_cron can run these jobs: its run of pgskip:app:pgskip:" in workers.stdout
+
+    # The trust lines it gives, above the password lines, fix it; beat-sync sees the next run.
+    hba = Path(pg.hba_path)
+    hba.write_text("".join(line + "\n" for line in trust) + hba.read_text())
+    with psycopg.connect(pg.dsn(), autocommit=True) as conn:
+        conn.execute("SELECT pg_reload_conf()")
+    fixed = _celery(["beat-sync"], url, "tick", timeout=240)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "pg_cron can run these jobs: its run of pgskip:app:pgskip:" in fixed.stdout
