@@ -557,6 +557,32 @@ def do_purge_failed(target: Target, filt: Any) -> None:
     click.echo(f"{plural(count, 'failed message')} deleted")
 
 
+def do_metrics(
+    target: Target, port: int, addr: str, timeout: float, cron_database: str | None = None
+) -> None:
+    try:
+        from .metrics import serve
+    except ImportError as exc:
+        _fail(exc)
+        return
+    import logging
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        serve(
+            target.url,
+            target.schema,
+            port=port,
+            addr=addr,
+            timeout=timeout,
+            cron_database=cron_database,
+            announce=click.echo,
+        )
+    except OSError as exc:
+        _fail(OSError(f"cannot serve the metrics on {addr}:{port}: {exc}"))
+
+
 # -- the command line ----------------------------------------------------------------------------
 
 
@@ -1157,3 +1183,49 @@ def purge_failed_cmd(
     if not yes:
         click.confirm("Delete the matching failed messages?", abort=True)
     do_purge_failed(target, _failed_filter(queue, task, older_than, limit))
+
+
+@pgskip.command(name="metrics")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve /metrics on this port (required; 0: a free one, printed).",
+)
+@click.option(
+    "--addr",
+    default="0.0.0.0",
+    show_default=True,
+    help="Address to listen on (127.0.0.1: this host only).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0.1),
+    default=5.0,
+    show_default=True,
+    help="Seconds each statement of a scrape may run (statement_timeout); past it the scrape "
+    "reports pgskip_up 0.",
+)
+@_cron_database_option
+@_url_option
+@_schema_option
+@click.pass_context
+def metrics_cmd(
+    ctx: click.Context,
+    port: int | None,
+    addr: str,
+    timeout: float,
+    cron_database: str | None,
+    url: str | None,
+    schema: str | None,
+) -> None:
+    """Serve Prometheus metrics on http://ADDR:PORT/metrics.
+
+    Per queue: pending, scheduled, running, failed and redelivered messages, the oldest pending
+    message's age, live consumers; consumers alive and with an expired lease, the xmin
+    horizon's age, the jobs table's size and dead tuples, the last run of each pg_cron job
+    (docs/metrics.md). Runs until interrupted. Needs pip install "kombu-pgskip[metrics]"."""
+    target = _target(ctx, url, schema)
+    if port is None:
+        raise click.UsageError("Missing option '--port': the port to serve /metrics on", ctx)
+    do_metrics(target, port, addr, timeout, cron_database)

@@ -135,7 +135,7 @@ def test_celery_pgskip_doctor_and_queue_args_act_as_the_owner(db_url: str) -> No
 # The commands users run; beat-sync reads app.conf.beat_schedule, so it runs under Celery only.
 COMMANDS = {
     "beat-list", "beat-sync", "cron-remove", "doctor", "failed", "grant", "maintenance",
-    "migrate", "purge-failed", "queue-args", "retry-failed", "status", "tick",
+    "metrics", "migrate", "purge-failed", "queue-args", "retry-failed", "status", "tick",
 }  # fmt: skip
 APP_ONLY = {"beat-sync"}
 NOWHERE = "pgskip://postgres@127.0.0.1:1/nowhere"

@@ -1,0 +1,48 @@
+-- SQL of the Prometheus collector (kombu_pgskip.metrics), as named blocks: "-- name: description".
+-- {schema} is replaced by the quoted schema identifier; values are always bound parameters.
+-- Every statement runs on each scrape, so each reads only what its partial index covers: the
+-- completed rows, most of a large table, are never read.
+
+-- queue_counts: per status (pending, scheduled, running, failed) and queue: messages, how many of them were delivered before (redelivered), and for pending the seconds since the oldest became due (its run_at); each branch reads only the rows of its status through that status's partial index (jobs_dequeue, jobs_scheduled, jobs_running_rows, jobs_failed)
+SELECT 'pending' AS status, queue, count(*) AS messages,
+       count(*) FILTER (WHERE redelivered) AS redelivered,
+       greatest(extract(epoch FROM now() - min(run_at)), 0)::float8 AS oldest_age
+  FROM {schema}.jobs
+ WHERE status = 'pending'
+ GROUP BY queue
+UNION ALL
+SELECT 'scheduled', queue, count(*), 0, NULL
+  FROM {schema}.jobs
+ WHERE status = 'scheduled'
+ GROUP BY queue
+UNION ALL
+SELECT 'running', queue, count(*), count(*) FILTER (WHERE redelivered), NULL
+  FROM {schema}.jobs
+ WHERE status = 'running'
+ GROUP BY queue
+UNION ALL
+SELECT 'failed', queue, count(*), 0, NULL
+  FROM {schema}.jobs
+ WHERE status = 'failed'
+ GROUP BY queue;
+
+-- declared_queues: the queues declared durable and without auto_delete or x-expires (those a deployment keeps, not Celery's per-worker pidbox and event queues), so that their series read 0 rather than vanish when they are empty
+SELECT name FROM {schema}.queues WHERE NOT auto_delete AND expires IS NULL ORDER BY name;
+
+-- consumer_counts: consumers whose lease holds (alive) and consumers whose lease has run out and that no sweep has removed yet (their running messages return to pending at the next sweep)
+SELECT count(*) FILTER (WHERE lease_until > now()),
+       count(*) FILTER (WHERE lease_until <= now())
+  FROM {schema}.consumers;
+
+-- queue_consumers: per queue, the consumers whose lease holds that consume it
+SELECT q.queue, count(*)
+  FROM {schema}.consumers AS c
+ CROSS JOIN LATERAL unnest(c.queues) AS q(queue)
+ WHERE c.lease_until > now()
+ GROUP BY q.queue;
+
+-- jobs_table: the jobs table's size on disk with its indexes and TOAST (bytes), and from the statistics collector its live and dead row versions, rows inserted since the statistics were reset, and when autovacuum last vacuumed it (no row when the table does not exist)
+SELECT pg_total_relation_size(s.relid), s.n_live_tup, s.n_dead_tup, s.n_tup_ins,
+       extract(epoch FROM s.last_autovacuum)::float8
+  FROM pg_stat_all_tables AS s
+ WHERE s.schemaname = %(schema)s AND s.relname = 'jobs';
