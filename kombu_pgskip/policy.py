@@ -21,8 +21,8 @@ statements are :mod:`~kombu_pgskip.poller`'s and :mod:`~kombu_pgskip.dispatch`'s
   than that (:class:`DrainCall`).
 * **Where a scan starts.** A fetch scans its queues from the beginning, where every message
   taken while another session holds an old snapshot leaves a dead index entry that cannot be
-  removed (``sql/consume.sql``, ``due``). Once such a scan takes more than twice the cheapest
-  one the channel has seen, and ``FULL_SCAN_EXCESS`` more at least, fetches scan each queue
+  removed (``sql/consume.sql``, ``due``). Once two such scans in a row take more than twice the
+  cheapest one the channel has seen, and ``FULL_SCAN_EXCESS`` more at least, fetches scan each queue
   after the last message they took there instead; a scan from the beginning, which finds what
   became due behind those positions, goes out only once ``FULL_SCAN_SPACING`` times its
   duration has passed, so that such scans take at most a fifth of the time. A channel never
@@ -61,9 +61,10 @@ ACK_FLUSH_DELAY = 0.005
 #: and a message due behind the positions waits at most that long.
 FULL_SCAN_SPACING = 4.0
 
-#: Fetches scan after their positions only while the last scan from the beginning took more
-#: than twice the cheapest one the channel has seen, and at least this many seconds more: dead
-#: entries slow it down, whereas a round trip alone, or a busy machine's noise, does not.
+#: Fetches scan after their positions only while the last two scans from the beginning each took
+#: more than twice the cheapest one the channel has seen, and at least this many seconds more:
+#: dead entries slow every scan down, whereas a round trip alone, or a busy machine's hiccup,
+#: does not.
 FULL_SCAN_EXCESS = 0.002
 
 #: How much longer than ``polling_interval`` the worker waits, at most, before looking for
@@ -124,6 +125,9 @@ class ChannelState:
     full_sent: float = float("-inf")
     full_cost: float = 0.0
     full_floor: float = float("inf")
+    #: The shorter of its last two scans from the beginning: one slow scan (a busy machine's
+    #: hiccup) does not make the next fetches start after their positions; two in a row do.
+    full_recent: float = 0.0
     #: Its last fetch scanned after the positions and came back short: one from the beginning
     #: is owed (at :meth:`FetchPolicy.full_scan_at`) before it may wait for a wake-up.
     full_owed: bool = False
@@ -236,7 +240,7 @@ class FetchPolicy:
         positions; False: from the beginning. A queue with no position is scanned from its
         beginning either way."""
         floor = state.full_floor
-        if state.full_cost <= floor + max(floor, FULL_SCAN_EXCESS):
+        if state.full_recent <= floor + max(floor, FULL_SCAN_EXCESS):
             return False
         if not any(q in state.positions for q in queues):
             return False
@@ -273,8 +277,10 @@ class FetchPolicy:
         if state.scans_after:
             state.full_owed = state.full_owed or not filled
         else:
-            state.full_cost = max(0.0, now - state.full_sent)
-            state.full_floor = min(state.full_floor, state.full_cost)
+            cost = max(0.0, now - state.full_sent)
+            state.full_recent = min(state.full_cost, cost)
+            state.full_cost = cost
+            state.full_floor = min(state.full_floor, cost)
             state.full_owed = False
         if last:
             state.positions.update(last)
