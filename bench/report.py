@@ -8,6 +8,16 @@ from typing import Any
 
 #: The table's broker columns, in order.
 BROKERS = ("pgskip", "rabbitmq", "rabbitmq-confirm", "redis", "redis-fsync", "sqlalchemy")
+#: The brokers of the throughput charts, in order (pgskip-async beside pgskip).
+CHART_BROKERS = (
+    "pgskip",
+    "pgskip-async",
+    "rabbitmq",
+    "rabbitmq-confirm",
+    "redis",
+    "redis-fsync",
+    "sqlalchemy",
+)
 #: The peers pgskip's figure is divided by in the table's ratio columns.
 RATIO_PEERS = ("rabbitmq", "rabbitmq-confirm", "redis", "redis-fsync")
 NAMES = {
@@ -478,15 +488,7 @@ def charts(data: dict[str, Any], out_dir: Path, dpi: int = 90) -> list[Path]:
 
     # 1. Celery throughput
     if r.get("worker_side") or r.get("end_to_end"):
-        keys = [
-            "pgskip",
-            "pgskip-async",
-            "rabbitmq",
-            "rabbitmq-confirm",
-            "redis",
-            "redis-fsync",
-            "sqlalchemy",
-        ]
+        keys = list(CHART_BROKERS)
         groups = [
             (
                 "worker side\nthreads -c 4",
@@ -561,15 +563,7 @@ def charts(data: dict[str, Any], out_dir: Path, dpi: int = 90) -> list[Path]:
 
     # 3/4. Raw kombu against the SQL ceilings
     if r.get("raw_kombu"):
-        keys = [
-            "pgskip",
-            "pgskip-async",
-            "rabbitmq",
-            "rabbitmq-confirm",
-            "redis",
-            "redis-fsync",
-            "sqlalchemy",
-        ]
+        keys = list(CHART_BROKERS)
         groups = [
             (
                 "publish (durable)",

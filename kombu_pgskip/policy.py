@@ -61,6 +61,9 @@ ACK_FLUSH_DELAY = 0.005
 #: and a message due behind the positions waits at most that long.
 FULL_SCAN_SPACING = 4.0
 
+#: Seconds early a timer set for a scan from the beginning may fire and still send one.
+FULL_SCAN_EARLY = 0.001
+
 #: Fetches scan after their positions only while the last two scans from the beginning each took
 #: more than twice the cheapest one the channel has seen, and at least this many seconds more:
 #: dead entries slow every scan down, whereas a round trip alone, or a busy machine's hiccup,
@@ -244,10 +247,7 @@ class FetchPolicy:
             return False
         if not any(q in state.positions for q in queues):
             return False
-        return now < self.full_scan_at(state) - self.FULL_SCAN_EARLY
-
-    #: A timer set for a full scan may fire this much early (seconds) and still send it.
-    FULL_SCAN_EARLY = 0.001
+        return now < self.full_scan_at(state) - FULL_SCAN_EARLY
 
     def scanning(self, state: ChannelState, now: float, *, after: bool) -> None:
         """The channel's fetch goes out at ``now``; ``after``: it scans after the positions."""
