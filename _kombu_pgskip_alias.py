@@ -9,6 +9,9 @@ but ``kombu.transport``: that one loads as usual, then ``pgskip`` is added to it
 leaves :data:`sys.meta_path`. This module imports only :mod:`sys` and imports neither kombu nor
 ``kombu_pgskip``: ``kombu_pgskip.transport`` is imported when kombu first resolves the alias.
 
+PYTEST_DONT_REWRITE: pytest marks the modules of a distribution with a pytest plugin for
+assertion rewriting, and warns about those imported already; this one is, by the ``.pth``.
+
 Not in effect under ``python -S`` (no :mod:`site`, no ``.pth`` files); ``import kombu_pgskip``
 registers the scheme there.
 """

@@ -41,6 +41,8 @@ from .urls import mask_url
 __version__ = "0.1.0"
 
 TRANSPORT_PATH = "kombu_pgskip.transport:Transport"
+"""The transport's import path, for ``broker_transport`` where the ``pgskip://`` scheme is not
+registered: ``broker_transport = "kombu_pgskip.transport:Transport"``."""
 
 
 def register() -> None:

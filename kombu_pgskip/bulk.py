@@ -72,10 +72,18 @@ def _channel_of(target: Any) -> Channel:
 def batch(target: Any) -> Iterator[list[int]]:
     """Buffer every message published through ``target``'s channel; write them at the end.
 
-    ``target`` is a kombu ``Producer``, ``Channel`` or ``Connection`` (its default channel).
-    Yields a list that holds the new rows' ids once the block has ended. An exception in the
-    block writes nothing. Without a caller's connection the messages are written by one
-    autocommit statement (or, above 5,000 messages or 16 MB, several in one transaction).
+    ``target`` is a kombu ``Producer``, ``Channel`` or ``Connection`` (its default channel)
+    of the pgskip transport (:class:`~kombu_pgskip.exceptions.ConfigurationError`
+    otherwise). Yields a list that holds the new rows' ids once the block has ended. An
+    exception in the block writes nothing. Without a caller's connection the messages are
+    written by one autocommit statement (or, above 5,000 messages or 16 MB, several in one
+    transaction), so they become visible together.
+
+    .. code-block:: python
+
+        with batch(producer):
+            producer.publish({"order": 1}, routing_key="orders")
+            producer.publish({"invoice": 1}, routing_key="invoices")
     """
     channel = _channel_of(target)
     with channel.collecting() as ids:
@@ -214,7 +222,14 @@ def apply_many(tasks: Iterable[Any], *, app: Any = None, **options: Any) -> list
 
     ``tasks`` are signatures (``add.s(2, 2)``, ``add.si(...).set(queue=...)``, groups and
     chains too). ``options`` apply to every one. Returns what each ``apply_async`` returned.
-    Nothing is written if any of them raises.
+    The messages are published through ``app``'s broker (by default the app of the first
+    signature), which must be ``pgskip://``
+    (:class:`~kombu_pgskip.exceptions.ConfigurationError` otherwise). They become visible
+    together at the commit; nothing is written if any of them raises.
+
+    .. code-block:: python
+
+        results = apply_many(resize.s(image_id) for image_id in image_ids)
     """
     task_list = list(tasks)
     sigs = _signatures(task_list, app)
@@ -234,7 +249,12 @@ def apply_many_in(conn: object, tasks: Iterable[Any], **options: Any) -> list[As
 
     As :func:`~kombu_pgskip.apply_async_in` (same connection types, same errors, never
     commits, rolls back or closes ``conn``): commit, and every job exists; roll back, and none
-    does.
+    does. Returns what each ``apply_async`` returned.
+
+    .. code-block:: python
+
+        with psycopg.connect(dsn) as conn, conn.transaction():
+            apply_many_in(conn, [ship.s(order_id) for order_id in order_ids])
     """
     task_list = list(tasks)
     sigs = _signatures(task_list, None)

@@ -10,10 +10,11 @@ either it stops with a usage error. The schema is ``--schema``, else the app's
 ``beat_schedule`` and so runs under Celery only; ``tick`` and ``maintenance`` take their
 settings from their options, over ``app.conf.pgskip_maintenance`` when there is an app.
 
-``--version`` prints ``kombu-pgskip <version>``. ``status``, ``failed`` and ``beat-list`` take
-``--json``: one JSON object on stdout, in the shape their ``--help`` shows (and
+``--version`` prints ``kombu-pgskip <version>``. ``status``, ``failed``, ``beat-list`` and
+``doctor`` take ``--json``: one JSON object on stdout, in the shape their ``--help`` shows (and
 docs/cli-json.md); keys are only ever added to it. Times are ISO 8601 in UTC, durations
-seconds, absent values ``null``. Errors go to stderr with exit status 1, as without ``--json``.
+seconds, absent values ``null``. Errors go to stderr with exit status 1, as without ``--json``
+(``doctor`` exits 1 when a check fails, after printing the object).
 
 Each command's work is a ``do_*`` function; the click commands only resolve where it acts.
 Importing this module imports :mod:`kombu_pgskip`, which registers the ``pgskip://`` scheme in
@@ -229,19 +230,48 @@ def do_queue_args(
             click.echo(f"queue {queue!r}: {key} {old} -> {new}")
 
 
-def do_doctor(target: Target) -> None:
-    from .doctor import run_doctor
+def do_doctor(
+    target: Target,
+    as_json: bool = False,
+    *,
+    xmin_threshold: float | None = None,
+    use_cron: bool = True,
+    cron_database: str | None = None,
+) -> None:
+    from .doctor import DEFAULT_XMIN_THRESHOLD, FAIL, WARN, run_doctor
 
     try:
-        checks = run_doctor(target.url, target.schema)
+        checks = run_doctor(
+            target.url,
+            target.schema,
+            xmin_threshold=DEFAULT_XMIN_THRESHOLD if xmin_threshold is None else xmin_threshold,
+            cron=use_cron,
+            cron_database=cron_database,
+        )
     except exceptions.PgSkipError as exc:
         _fail(exc)
         return
-    for check in checks:
-        click.echo(check.line())
-    failed = sum(1 for c in checks if not c.ok)
+    failed = sum(1 for c in checks if c.status == FAIL)
+    warned = sum(1 for c in checks if c.status == WARN)
+    if as_json:
+        _echo_json(
+            {
+                "schema": target.schema,
+                "version": __version__,
+                "failed": failed,
+                "warnings": warned,
+                "checks": [c.as_json() for c in checks],
+            }
+        )
+    else:
+        for check in checks:
+            click.echo(check.text())
+        if failed:
+            more = f", {plural(warned, 'warning')}" if warned else ""
+            click.echo(f"{failed} of {plural(len(checks), 'check')} failed{more}", err=True)
+        elif warned:
+            click.echo(f"{plural(len(checks), 'check')}: {plural(warned, 'warning')}", err=True)
     if failed:
-        click.echo(f"{failed} of {plural(len(checks), 'check')} failed", err=True)
         sys.exit(1)
 
 
@@ -855,15 +885,52 @@ def grant_cmd(
 
 
 @pgskip.command(name="doctor")
+@click.option(
+    "--xmin-threshold",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Warn when a snapshot or transaction has held the xmin horizon back this many "
+    "seconds (default 300).",
+)
+@click.option(
+    "--no-cron",
+    is_flag=True,
+    help="Leave the pg_cron check out (periodic tasks and maintenance run by `pgskip tick`).",
+)
+@_json_option
+@_cron_database_option
 @_owner_url_option
 @_schema_option
 @click.pass_context
-def doctor_cmd(ctx: click.Context, url: str | None, schema: str | None) -> None:
-    """Check privileges and functions; exits 1 on a finding.
+def doctor_cmd(
+    ctx: click.Context,
+    xmin_threshold: float | None,
+    no_cron: bool,
+    as_json: bool,
+    cron_database: str | None,
+    url: str | None,
+    schema: str | None,
+) -> None:
+    """Check upkeep and privileges; exits 1 on a failure.
 
-    Looks for what would let a worker or publisher role destroy messages or run code as the
-    schema's owner, which it runs as."""
-    do_doctor(_target(ctx, url, schema))
+    One line per check, ok, WARN or FAIL, with what to do: the schema's version, the
+    autovacuum settings of jobs, invalid indexes, the xmin horizon, the runs of the schema's
+    pg_cron jobs; then what would let a worker or publisher role destroy messages or run code
+    as the schema's owner, which it runs as. Warnings leave the exit status 0.
+
+    \b
+    --json prints:
+    {"schema": "pgskip", "version": "0.1.0", "failed": 0, "warnings": 1,
+     "checks": [{"name": "xmin horizon", "status": "warn", "detail": "held back by ...",
+                 "advice": null}]}
+    """
+    do_doctor(
+        _target(ctx, url, schema),
+        as_json,
+        xmin_threshold=xmin_threshold,
+        use_cron=not no_cron,
+        cron_database=cron_database,
+    )
 
 
 @pgskip.command(name="queue-args")
@@ -913,7 +980,7 @@ def queue_args_cmd(
     "--grace",
     type=float,
     default=None,
-    help="Seconds a slot may be late and still fire normally (default 120).",
+    help="Seconds a slot may be late and still run, once, at once (default 120).",
 )
 @click.option(
     "--wait",

@@ -324,9 +324,10 @@ class Dispatcher:
             if self._promote(now):
                 self._noack_all_due()
             only = None
-            due_in = self.policy.next_promote - time.monotonic()
-            if due_in < self.options.polling_interval:
-                poller.call_later(max(0.0, due_in), self.loop_drain)  # due before the poll
+            # The next scheduled message is promoted when it falls due, not at the poll after.
+            poller.call_later(
+                max(0.0, self.policy.next_promote - time.monotonic()), self.loop_drain
+            )
         for _ in range(max_batches):
             delivered = self.deliver_batch(only, eager=eager)
             if self.policy.refill_deferred:

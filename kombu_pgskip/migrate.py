@@ -55,7 +55,9 @@ import logging
 import os
 import random
 import re
+import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -64,10 +66,12 @@ from typing import Any
 
 import psycopg
 from psycopg import errors as pg_errors
-from psycopg import sql
+from psycopg import pq
+from psycopg.rows import tuple_row
 
 from . import exceptions
-from .urls import connect, mask_url
+from .sql import quote_ident
+from .urls import SAFE_SEARCH_PATH, connect, mask_url
 
 logger = logging.getLogger(__name__)
 
@@ -382,34 +386,273 @@ def _lock_key(schema: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def _migrations_table(conn: psycopg.Connection[Any], schema: str) -> bool:
-    qualified = sql.Identifier(schema, "migrations").as_string(conn)
-    exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (qualified,)).fetchone()
-    return bool(exists and exists[0])
+# -- the connection a run works on ----------------------------------------------------------------
+
+Rows = list[tuple[Any, ...]]
+#: a statement of the runner: text with ``%s`` placeholders, or a migration file's bytes
+_Text = str | bytes
+
+_IDLE = int(pq.TransactionStatus.IDLE)
 
 
-def applied_migrations(conn: psycopg.Connection[Any], schema: str) -> list[Applied]:
+class _Session(ABC):
+    """The server session a run works on, whichever driver holds it: psycopg 3 or psycopg2
+    (Django's connection is one of the two). Every statement of the runner is text with ``%s``
+    placeholders, which both drivers take, and its identifiers are quoted in by
+    :func:`~kombu_pgskip.sql.quote_ident`; a driver's errors reach the runner as psycopg 3's,
+    so that one runner serves both.
+
+    The runner keeps the session in autocommit mode and opens its own transactions
+    (:meth:`transaction`): one per migration file, none around an index built concurrently."""
+
+    driver: str
+
+    @abstractmethod
+    def rows(self, query: _Text, params: Sequence[Any] | None = None) -> Rows:
+        """Run a statement (a file's several statements when it has no ``params``); the
+        first result's rows."""
+
+    @abstractmethod
+    def usable(self) -> bool:
+        """Whether the connection is open and not broken."""
+
+    @abstractmethod
+    def status(self) -> int:
+        """libpq's transaction status (psycopg2's constants have the same values)."""
+
+    @abstractmethod
+    def get_autocommit(self) -> bool: ...
+
+    @abstractmethod
+    def set_autocommit(self, value: bool) -> None: ...
+
+    def one(self, query: _Text, params: Sequence[Any] | None = None) -> tuple[Any, ...]:
+        found = self.rows(query, params)
+        assert found, "the statement returns one row"
+        return found[0]
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """BEGIN ... COMMIT; ROLLBACK when the block raises."""
+        self.rows("BEGIN")
+        try:
+            yield
+        except BaseException:
+            if self.usable():
+                with contextlib.suppress(psycopg.Error):  # the error on its way out matters
+                    self.rows("ROLLBACK")
+            raise
+        self.rows("COMMIT")
+
+
+class _PsycopgSession(_Session):
+    driver = "psycopg"
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+
+    def rows(self, query: _Text, params: Sequence[Any] | None = None) -> Rows:
+        # Without parameters psycopg sends the text as it is (a file's several statements in
+        # one round trip); a cursor of the connection's own class (Django's is client-side
+        # binding), with tuples for rows whatever the connection's row factory.
+        with self.conn.cursor(row_factory=tuple_row) as cur:
+            cur.execute(query, params)
+            return cur.fetchall() if cur.description is not None else []
+
+    def usable(self) -> bool:
+        return not self.conn.closed and not self.conn.broken
+
+    def status(self) -> int:
+        return int(self.conn.info.transaction_status)
+
+    def get_autocommit(self) -> bool:
+        return self.conn.autocommit
+
+    def set_autocommit(self, value: bool) -> None:
+        self.conn.autocommit = value
+
+
+class _Psycopg2Session(_Session):
+    """A psycopg2 connection; its errors are raised as psycopg 3's class for their SQLSTATE
+    (:func:`~kombu_pgskip.exceptions.psycopg_class`), the original as their cause."""
+
+    driver = "psycopg2"
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def rows(self, query: _Text, params: Sequence[Any] | None = None) -> Rows:
+        psycopg2 = sys.modules["psycopg2"]
+        try:
+            # psycopg2's own cursor class: a connection may default to DictCursor and the like.
+            with self.conn.cursor(cursor_factory=psycopg2.extensions.cursor) as cur:
+                cur.execute(query, params)
+                return [tuple(r) for r in cur.fetchall()] if cur.description is not None else []
+        except psycopg2.Error as exc:
+            raise _psycopg_error(exc, psycopg2) from exc
+
+    def usable(self) -> bool:
+        return not self.conn.closed
+
+    def status(self) -> int:
+        return int(self.conn.get_transaction_status())
+
+    def get_autocommit(self) -> bool:
+        return bool(self.conn.autocommit)
+
+    def set_autocommit(self, value: bool) -> None:
+        self.conn.autocommit = value
+
+
+def _psycopg_error(exc: Any, psycopg2: Any) -> psycopg.Error:
+    """psycopg 3's error for a psycopg2 error: by SQLSTATE, else by class (libpq's own
+    failures, a closed connection, carry none)."""
+    code = getattr(exc, "pgcode", None)
+    if isinstance(code, str) and code:
+        cls = exceptions.psycopg_class(code)
+    elif isinstance(exc, psycopg2.OperationalError):
+        cls = psycopg.OperationalError
+    elif isinstance(exc, psycopg2.InterfaceError):
+        cls = psycopg.InterfaceError
+    else:
+        cls = psycopg.DatabaseError
+    return cls(str(exc).strip())
+
+
+def _as_session(conn: psycopg.Connection[Any] | _Session) -> _Session:
+    return conn if isinstance(conn, _Session) else _PsycopgSession(conn)
+
+
+_TARGETS = (
+    "a URL, a psycopg 3 connection, a psycopg2 connection or Django's connection "
+    "(django.db.connection, connections[alias])"
+)
+
+
+def _is_django_connection(obj: object) -> bool:
+    # Duck-typed as apply_async_in does it (adapters.py): django.db.connection is a proxy that
+    # forwards attribute access to the default alias's connection.
+    return (
+        callable(getattr(obj, "ensure_connection", None))
+        and hasattr(obj, "in_atomic_block")
+        and hasattr(obj, "vendor")
+        and hasattr(obj, "alias")
+    )
+
+
+def _driver_session(target: object) -> _Session:
+    """The session of a caller's connection object, or the error that says what is wrong."""
+    if isinstance(target, psycopg.Connection):
+        return _PsycopgSession(target)
+    ext = sys.modules.get("psycopg2.extensions")
+    if ext is not None and isinstance(target, ext.connection):
+        return _Psycopg2Session(target)
+    if _is_django_connection(target):
+        django: Any = target
+        if django.vendor != "postgresql":
+            raise exceptions.ConfigurationError(
+                f"Django database {django.alias!r} uses the {django.vendor} backend: the pgskip "
+                "schema lives in PostgreSQL"
+            )
+        if django.in_atomic_block:
+            raise exceptions.MigrationError(
+                f"migrate() cannot run inside transaction.atomic() (Django database "
+                f"{django.alias!r}): it commits each migration on its own and builds indexes "
+                "concurrently, outside any transaction. Call it outside atomic(); in a Django "
+                "migration, set `atomic = False` on the Migration class"
+            )
+        django.ensure_connection()
+        raw = django.connection
+        if isinstance(raw, psycopg.Connection) or (
+            ext is not None and isinstance(raw, ext.connection)
+        ):
+            return _driver_session(raw)
+        raise exceptions.ConfigurationError(
+            f"Django database {django.alias!r} runs on {type(raw).__module__}, not psycopg or "
+            "psycopg2"
+        )
+    if isinstance(target, psycopg.AsyncConnection):
+        raise TypeError("migrate() takes a sync psycopg connection, not an AsyncConnection")
+    kind = type(target)
+    raise TypeError(f"migrate() takes {_TARGETS}; got {kind.__module__}.{kind.__qualname__}")
+
+
+@contextlib.contextmanager
+def _session_for(target: object) -> Iterator[tuple[_Session, str | None]]:
+    """(the session to run on, the masked URL for messages or None): a connection of our own
+    for a URL, closed afterwards; else the caller's connection, for the run in autocommit mode
+    with ``search_path`` set as :func:`~kombu_pgskip.urls.connect` sets it for ours (nothing
+    resolves through a schema that other roles can create objects in), and then as it was."""
+    if isinstance(target, str):
+        with connect(target, autocommit=True) as conn:
+            yield _PsycopgSession(conn), mask_url(target)
+        return
+    session = _driver_session(target)
+    if not session.usable():
+        raise exceptions.MigrationError(
+            f"the {session.driver} connection given to migrate() is closed: pass an open one"
+        )
+    if session.status() != _IDLE:
+        raise exceptions.MigrationError(
+            f"the {session.driver} connection given to migrate() is inside a transaction: "
+            "commit or roll it back first (migrate() commits each migration on its own and "
+            "builds indexes concurrently, outside any transaction)"
+        )
+    autocommit = session.get_autocommit()
+    if not autocommit:
+        session.set_autocommit(True)
+    try:
+        (path,) = session.one("SELECT pg_catalog.current_setting('search_path')")
+        session.rows("SELECT pg_catalog.set_config('search_path', %s, false)", (SAFE_SEARCH_PATH,))
+        try:
+            yield session, None
+        finally:
+            if session.usable() and session.status() == _IDLE:
+                with contextlib.suppress(psycopg.Error):  # only a broken connection fails here
+                    session.rows("SELECT pg_catalog.set_config('search_path', %s, false)", (path,))
+    finally:
+        if not autocommit and session.usable() and session.status() == _IDLE:
+            session.set_autocommit(False)
+
+
+def _translated(exc: psycopg.Error, where: str | None) -> exceptions.PgSkipError:
+    """The kombu-pgskip error for a database error of a run."""
+    translated = exceptions.translate(exc, url_for_messages=where)
+    if isinstance(translated, exceptions.PgSkipError):
+        return translated
+    return exceptions.MigrationError(f"migration failed: {exc}")
+
+
+# -- reading the schema's state -------------------------------------------------------------------
+
+
+def _migrations_table(conn: psycopg.Connection[Any] | _Session, schema: str) -> bool:
+    qualified = f"{quote_ident(schema)}.{quote_ident('migrations')}"
+    row = _as_session(conn).one("SELECT to_regclass(%s) IS NOT NULL", (qualified,))
+    return bool(row[0])
+
+
+def applied_migrations(conn: psycopg.Connection[Any] | _Session, schema: str) -> list[Applied]:
     """The rows of ``<schema>.migrations`` in version order (empty when not installed)."""
-    if not _migrations_table(conn, schema):
+    session = _as_session(conn)
+    if not _migrations_table(session, schema):
         return []
     # to_jsonb: a table made by a runner that predates compatible_with has no such column.
-    rows = conn.execute(
-        sql.SQL(
-            "SELECT version, name, checksum, (to_jsonb(m) ->> 'compatible_with')::integer"
-            " FROM {}.migrations AS m ORDER BY version"
-        ).format(sql.Identifier(schema))
-    ).fetchall()
+    rows = session.rows(
+        "SELECT version, name, checksum, (to_jsonb(m) ->> 'compatible_with')::integer"
+        f" FROM {quote_ident(schema)}.migrations AS m ORDER BY version"
+    )
     return [Applied(int(r[0]), str(r[1]), str(r[2]), r[3]) for r in rows]
 
 
-def applied_versions(conn: psycopg.Connection[Any], schema: str) -> dict[int, str]:
+def applied_versions(conn: psycopg.Connection[Any] | _Session, schema: str) -> dict[int, str]:
     """Versions recorded in ``<schema>.migrations`` with their checksums (empty when the schema
     is not installed)."""
     return {a.version: a.checksum for a in applied_migrations(conn, schema)}
 
 
 def check_schema(
-    conn: psycopg.Connection[Any], schema: str, *, directory: PathLike | None = None
+    conn: psycopg.Connection[Any] | _Session, schema: str, *, directory: PathLike | None = None
 ) -> int:
     """Raise the error that says what to do unless this package's code runs against the schema
     (its version, or a newer one inside the window).
@@ -456,7 +699,7 @@ def _pending(migrations: Iterable[Migration], done: Mapping[int, str]) -> list[M
 
 
 def migrate(
-    url: str,
+    target: object,
     *,
     schema: str = DEFAULT_SCHEMA,
     dry_run: bool = False,
@@ -467,6 +710,25 @@ def migrate(
 ) -> list[str]:
     """Bring ``schema`` to the newest version; return the labels of the migrations applied.
 
+    ``target`` is a ``pgskip://`` or ``postgresql://`` URL (or a libpq conninfo string) of a
+    role that may create the schema, usually its owner; what ``celery -A proj pgskip migrate``
+    runs. Idempotent: an up-to-date schema returns ``[]``. Concurrent runs (several deploy jobs)
+    wait for each other on an advisory lock, and the later ones find nothing left to do.
+
+    .. code-block:: python
+
+        import kombu_pgskip
+
+        kombu_pgskip.migrate("postgresql://owner@db.internal:5432/app")  # ['0001_initial', ...]
+
+    ``target`` may also be an open connection of the caller's: a psycopg 3 connection, a
+    psycopg2 connection, or Django's ``connection`` (``connections[alias]``, on psycopg 3 or
+    psycopg2), with no transaction open (Django: outside ``transaction.atomic()``), because
+    each file commits on its own and an index is built concurrently outside any transaction.
+    For the run the connection is switched to autocommit mode and its ``search_path`` to
+    ``pg_catalog, pg_temp``; both are put back afterwards, and the connection stays open. The
+    advisory lock is the session's and is released before returning.
+
     Each file runs in a transaction of its own in which a statement waits at most
     ``lock_timeout`` seconds for a lock; a file whose lock was not granted is rolled back and
     tried again up to ``retries`` times, after ``backoff`` seconds, then twice that, and so on
@@ -475,6 +737,12 @@ def migrate(
 
     With ``dry_run`` nothing is changed and the SQL that would run is returned in the labels'
     place as ``label + "\\n" + sql``.
+
+    Raises :class:`~kombu_pgskip.exceptions.MigrationError` when a file fails (that file is
+    rolled back, the ones before it stay applied) or the connection given is inside a
+    transaction, and :class:`~kombu_pgskip.exceptions.PermissionDenied` or
+    :class:`~kombu_pgskip.exceptions.ConnectionFailed` when the role may not, or cannot
+    connect; :class:`TypeError` for an object that is neither a URL nor a connection.
     """
     from .store import validate_schema_name
 
@@ -484,35 +752,32 @@ def migrate(
     if retries < 0:
         raise exceptions.ConfigurationError("retries must be 0 or more")
     migrations = load_migrations(directory)
-    with connect(url, autocommit=True) as conn:
+    with _session_for(target) as (session, where):
         try:
             if dry_run:
-                pending = _pending(migrations, applied_versions(conn, schema))
+                pending = _pending(migrations, applied_versions(session, schema))
                 return [f"-- {m.label}\n{m.sql}" for m in pending]
-            return _Runner(conn, schema, migrations, lock_timeout, retries, backoff).run()
+            return _Runner(session, schema, migrations, lock_timeout, retries, backoff).run()
         except psycopg.Error as exc:
-            translated = exceptions.translate(exc, url_for_messages=mask_url(url))
-            if translated is not exc:
-                raise translated from exc
-            raise exceptions.MigrationError(f"migration failed: {exc}") from exc
+            raise _translated(exc, where) from exc
 
 
 class _Runner:
-    """One ``migrate`` run on an autocommit connection: each file in a transaction of its own
-    (or, for index builds marked ``concurrently``, outside one)."""
+    """One ``migrate`` run on a session in autocommit mode: each file in a transaction of its
+    own (or, for index builds marked ``concurrently``, outside one)."""
 
     def __init__(
         self,
-        conn: psycopg.Connection[Any],
+        db: _Session,
         schema: str,
         migrations: list[Migration],
         lock_timeout: float,
         retries: int,
         backoff: float,
     ) -> None:
-        self.conn = conn
+        self.db = db
         self.schema = schema
-        self.ident = sql.Identifier(schema)
+        self.ident = quote_ident(schema)
         self.migrations = migrations
         self.lock_timeout = f"{max(1, round(lock_timeout * 1000))}ms"
         self.retries = retries
@@ -520,10 +785,9 @@ class _Runner:
         self.applied: list[str] = []
 
     def run(self) -> list[str]:
-        conn = self.conn
         self._take_runner_lock()
         try:
-            done = applied_migrations(conn, self.schema)
+            done = applied_migrations(self.db, self.schema)
             self._correct_claims(done)
             pending = _pending(self.migrations, {a.version: a.checksum for a in done})
             for i, m in enumerate(pending):
@@ -538,9 +802,9 @@ class _Runner:
                 self.applied.append(m.label)
             return self.applied
         finally:
-            if not conn.closed and not conn.broken:
+            if self.db.usable():
                 with contextlib.suppress(psycopg.Error):  # closing the connection unlocks too
-                    conn.execute("SELECT pg_advisory_unlock(%s)", (_lock_key(self.schema),))
+                    self.db.rows("SELECT pg_advisory_unlock(%s)", (_lock_key(self.schema),))
 
     def _take_runner_lock(self) -> None:
         """Wait for the advisory lock that serialises runners, by trying it again and again:
@@ -549,10 +813,8 @@ class _Runner:
         by failing one of them)."""
         pause = 0.05
         while True:
-            row = self.conn.execute(
-                "SELECT pg_try_advisory_lock(%s)", (_lock_key(self.schema),)
-            ).fetchone()
-            if row is not None and row[0]:
+            (locked,) = self.db.one("SELECT pg_try_advisory_lock(%s)", (_lock_key(self.schema),))
+            if locked:
                 return
             time.sleep(pause)
             pause = min(pause * 2, 1.0)
@@ -627,7 +889,7 @@ class _Runner:
         if not tables:
             return ""
         try:
-            rows = self.conn.execute(
+            rows = self.db.rows(
                 "SELECT DISTINCT a.pid, a.state, extract(epoch FROM now() - a.xact_start)::int"
                 "  FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid"
                 " WHERE l.granted AND l.pid <> pg_backend_pid() AND l.relation IN ("
@@ -636,7 +898,7 @@ class _Runner:
                 "        WHERE n.nspname = %s AND c.relname = ANY(%s))"
                 " ORDER BY 3 DESC NULLS LAST LIMIT 5",
                 (self.schema, tables),
-            ).fetchall()
+            )
         except psycopg.Error:
             return ""  # only a detail of the message
         if not rows:
@@ -652,51 +914,38 @@ class _Runner:
     # -- one file --
 
     def _settings(self, *, local: bool, lock_timeout: str | None = None) -> None:
-        path = sql.SQL("{}, pg_catalog, pg_temp").format(self.ident).as_string(self.conn)
-        self.conn.execute(
+        self.db.rows(
             "SELECT set_config('lock_timeout', %s, %s), set_config('search_path', %s, %s)",
-            (lock_timeout or self.lock_timeout, local, path, local),
+            (lock_timeout or self.lock_timeout, local, f"{self.ident}, pg_catalog, pg_temp", local),
         )
 
     def _bookkeeping(self) -> None:
         """The schema and ``<schema>.migrations``, in the transaction of the file applied."""
-        conn = self.conn
-        if (
-            conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (self.schema,)).fetchone()
-            is None
-        ):
-            conn.execute(sql.SQL("CREATE SCHEMA {}").format(self.ident))
-        if not _migrations_table(conn, self.schema):
-            conn.execute(
-                sql.SQL(
-                    "CREATE TABLE {}.migrations ("
-                    " version integer PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,"
-                    " applied_at timestamptz NOT NULL DEFAULT now(), compatible_with integer)"
-                ).format(self.ident)
+        db = self.db
+        if not db.rows("SELECT 1 FROM pg_namespace WHERE nspname = %s", (self.schema,)):
+            db.rows(f"CREATE SCHEMA {self.ident}")
+        if not _migrations_table(db, self.schema):
+            db.rows(
+                f"CREATE TABLE {self.ident}.migrations ("
+                " version integer PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now(), compatible_with integer)"
             )
         elif not self._has_claims_column():
-            conn.execute(
-                sql.SQL("ALTER TABLE {}.migrations ADD COLUMN compatible_with integer").format(
-                    self.ident
-                )
-            )
+            db.rows(f"ALTER TABLE {self.ident}.migrations ADD COLUMN compatible_with integer")
 
     def _has_claims_column(self) -> bool:
-        return (
-            self.conn.execute(
+        return bool(
+            self.db.rows(
                 "SELECT 1 FROM pg_attribute WHERE attrelid = %s::regclass"
                 " AND attname = 'compatible_with' AND NOT attisdropped",
-                (sql.Identifier(self.schema, "migrations").as_string(self.conn),),
-            ).fetchone()
-            is not None
+                (f"{self.ident}.{quote_ident('migrations')}",),
+            )
         )
 
     def _record(self, m: Migration) -> None:
-        self.conn.execute(
-            sql.SQL(
-                "INSERT INTO {}.migrations (version, name, checksum, compatible_with)"
-                " VALUES (%s, %s, %s, %s)"
-            ).format(self.ident),
+        self.db.rows(
+            f"INSERT INTO {self.ident}.migrations (version, name, checksum, compatible_with)"
+            " VALUES (%s, %s, %s, %s)",
             (m.version, m.name, m.checksum, m.compatible_with),
         )
 
@@ -710,7 +959,7 @@ class _Runner:
                     "line before, in a file of its own",
                     migration=m.label,
                 )
-        with self.conn.transaction():
+        with self.db.transaction():
             # The schema first, then PostgreSQL's own objects; no schema that another role can
             # create objects in (public), so nothing a migration creates or calls resolves to
             # one of theirs. Functions created with SET search_path FROM CURRENT keep this path.
@@ -718,15 +967,20 @@ class _Runner:
             self._bookkeeping()
             for name in self._invalid_indexes(m):
                 self._drop_invalid(name, concurrently=False)
-            self.conn.execute(m.sql.encode())
+            self.db.rows(m.sql.encode())
             self._record(m)
 
     def _apply_concurrently(self, m: Migration) -> None:
         """Each index built with CREATE INDEX CONCURRENTLY, without lock_timeout: its lock
         (SHARE UPDATE EXCLUSIVE) lets reads and writes go on, queued or granted, and the build
         waits for the transactions open on the table, not in the table's lock queue; a timeout
-        there would throw the build away, leaving an INVALID index to build again."""
-        conn = self.conn
+        there would throw the build away, leaving an INVALID index to build again. The
+        session's own lock_timeout and search_path are put back afterwards."""
+        db = self.db
+        saved = db.one(
+            "SELECT pg_catalog.current_setting('lock_timeout'),"
+            " pg_catalog.current_setting('search_path')"
+        )
         self._settings(local=False, lock_timeout="0")
         try:
             for stmt in m.statements:
@@ -751,27 +1005,30 @@ class _Runner:
                     index[1],
                     extra={"action": "migrate_index_build"},
                 )
-                conn.execute(stmt.concurrent_sql.encode())
-            with conn.transaction():
+                db.rows(stmt.concurrent_sql.encode())
+            with db.transaction():
                 self._settings(local=True)
                 self._bookkeeping()
                 self._record(m)
         finally:
-            if not conn.closed and not conn.broken:
+            if db.usable() and db.status() == _IDLE:
                 with contextlib.suppress(psycopg.Error):  # the error on its way out matters
-                    conn.execute("RESET lock_timeout")
-                    conn.execute("RESET search_path")
+                    db.rows(
+                        "SELECT pg_catalog.set_config('lock_timeout', %s, false),"
+                        " pg_catalog.set_config('search_path', %s, false)",
+                        saved,
+                    )
 
     def _index_state(self, name: str) -> bool | None:
         """True: a valid index of that name in the schema; False: an INVALID one; None: none."""
-        row = self.conn.execute(
+        rows = self.db.rows(
             "SELECT i.indisvalid FROM pg_class AS c"
             "  JOIN pg_namespace AS n ON n.oid = c.relnamespace"
             "  JOIN pg_index AS i ON i.indexrelid = c.oid"
             " WHERE n.nspname = %s AND c.relname = %s",
             (self.schema, name),
-        ).fetchone()
-        return None if row is None else bool(row[0])
+        )
+        return bool(rows[0][0]) if rows else None
 
     def _invalid_indexes(self, m: Migration) -> list[str]:
         names = [s.index[0] for s in m.statements if s.index is not None]
@@ -785,8 +1042,8 @@ class _Runner:
             name,
             extra={"action": "migrate_drop_invalid_index"},
         )
-        how = sql.SQL("DROP INDEX CONCURRENTLY" if concurrently else "DROP INDEX")
-        self.conn.execute(sql.SQL("{} IF EXISTS {}").format(how, sql.Identifier(self.schema, name)))
+        how = "DROP INDEX CONCURRENTLY" if concurrently else "DROP INDEX"
+        self.db.rows(f"{how} IF EXISTS {self.ident}.{quote_ident(name)}")
 
     def _correct_claims(self, done: Sequence[Applied]) -> None:
         """Record this package's compatible-with for the applied versions it knows, when the
@@ -802,15 +1059,14 @@ class _Runner:
         ]
         if not wrong:
             return
-        with self.conn.transaction():
+        with self.db.transaction():
             self._settings(local=True)
             self._bookkeeping()
-            self.conn.cursor().executemany(
-                sql.SQL("UPDATE {}.migrations SET compatible_with = %s WHERE version = %s").format(
-                    self.ident
-                ),
-                [(claim, version) for version, claim in wrong],
-            )
+            for version, claim in wrong:
+                self.db.rows(
+                    f"UPDATE {self.ident}.migrations SET compatible_with = %s WHERE version = %s",
+                    (claim, version),
+                )
 
 
 # -- statements -----------------------------------------------------------------------------------
@@ -1236,28 +1492,28 @@ def _span(oldest: int, newest: int) -> str:
 
 
 def plan(
-    url: str,
+    target: object,
     *,
     schema: str = DEFAULT_SCHEMA,
     directory: PathLike | None = None,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     retries: int = DEFAULT_RETRIES,
 ) -> Plan:
-    """What :func:`migrate` would run against ``url``: each pending file's statements with the
-    locks they take, and whether the code running against the database now stays compatible.
-    Changes nothing."""
+    """What :func:`migrate` would run against ``target`` (a URL or a connection, as
+    :func:`migrate` takes them): each pending file's statements with the locks they take, and
+    whether the code running against the database now stays compatible. Changes nothing."""
     from .store import validate_schema_name
 
     validate_schema_name(schema)
     migrations = load_migrations(directory)
     index_tables = _index_tables(migrations)
-    with connect(url, autocommit=True) as conn:
+    with _session_for(target) as (session, where):
         try:
-            applied = applied_migrations(conn, schema)
+            applied = applied_migrations(session, schema)
             pending = _pending(migrations, {a.version: a.checksum for a in applied})
             invalid = {
                 str(r[0])
-                for r in conn.execute(
+                for r in session.rows(
                     "SELECT c.relname FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid"
                     "  JOIN pg_namespace AS n ON n.oid = c.relnamespace"
                     " WHERE n.nspname = %s AND NOT i.indisvalid",
@@ -1265,7 +1521,7 @@ def plan(
                 )
             }
         except psycopg.Error as exc:
-            raise exceptions.translate(exc, url_for_messages=mask_url(url)) from exc
+            raise exceptions.translate(exc, url_for_messages=where) from exc
     current = applied[-1].version if applied else 0
     claims = _claims(applied, migrations)
     steps: list[PlannedStep] = []

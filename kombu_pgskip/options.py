@@ -113,7 +113,7 @@ OTHER_TRANSPORT_OPTIONS: dict[str, str] = {
 
 #: Where the options of this transport are documented (named in the error of an unknown key).
 DOCUMENTED_IN = (
-    'README.md, "Transport options", and the docstring of kombu_pgskip.transport '
+    "docs/reference/options.md, and the docstring of kombu_pgskip.transport "
     "(python -c 'import kombu_pgskip.transport as t; help(t)')"
 )
 

@@ -12,7 +12,8 @@
 2. checks that pg_cron can be used (:func:`kombu_pgskip.cron.locate`; a dry run goes on
    without it and says why it could not be used);
 3. in one transaction, inserts new entries, updates changed ones, deletes the ones that left
-   the config, and reports each change; running it again changes nothing;
+   the config, fires the schedule up to half a tick after the next tick, and reports each
+   change; running it again changes nothing;
 4. installs or updates one pg_cron job per database and schema that runs
    ``SELECT <schema>.fire_due()`` every minute (in another database than pg_cron's through
    ``cron.schedule_in_database``). ``pgskip beat-sync`` then checks, from
@@ -20,22 +21,31 @@
 
 ``fire_due()`` inserts each due slot's messages with a fresh task id; each (entry, slot) gets
 exactly one message however often and from wherever it runs (a row lock per entry and a
-primary key on ``beat_slots``). Slots inside the coming minute are inserted ``scheduled`` with
-their exact ``run_at`` (sub-minute intervals are staggered that way); workers promote them.
+primary key on ``beat_slots``). Slots up to 90 seconds ahead (:data:`DEFAULT_LOOKAHEAD`, one
+and a half ticks) are inserted ``scheduled`` with their exact ``run_at`` (sub-minute intervals
+are staggered that way); workers promote them. ``beat-sync`` inserts the slots up to half a
+tick after the next tick itself (:func:`sync_lookahead`): the first run of an interval entry
+comes one interval after the sync, as with celery beat, wherever in the minute the sync falls.
 
-Missed slots (the database or pg_cron was down) follow the entry's policy:
+The runs of an entry never come in a burst. A slot found late (a late or missed tick, an
+outage) runs once, at once, standing for the other late ones, if the newest late slot is at
+most ``grace`` (default 120 s) late or by the ``latest`` policy. An interval entry then counts
+its next run one interval from that one, as celery beat does; a crontab or relative entry
+keeps to the wall clock, and when its next slot is nearer than the late one is late (and
+within the grace), that next run stands for the late one instead. Slots missed beyond the grace
+follow the entry's policy:
 
 ``latest`` (default)
-    one message for the newest missed slot, as celery beat sends one after a restart; none if a
-    slot is due right now anyway, or (crontab entries) if it is older than
-    ``beat_cron_starting_deadline`` when that is set.
+    one run, by the rule above, as celery beat sends one after a restart; none for a crontab
+    entry whose newest missed slot is older than ``beat_cron_starting_deadline`` when that is
+    set.
 ``all``
-    every missed slot, oldest first, at most ``max_catchup`` (default 100) per minute.
+    every missed slot, oldest first, paced: each run at least 60 s / ``max_catchup`` (default
+    100) after the previous one, and no more than an interval entry's interval.
 ``skip``
     none.
 
-A slot at most ``grace`` (default 120 s) late is not missed. Configure with
-``app.conf.pgskip_beat_missed``, ``pgskip_beat_grace`` (seconds or timedelta),
+Configure with ``app.conf.pgskip_beat_missed``, ``pgskip_beat_grace`` (seconds or timedelta),
 ``pgskip_beat_max_catchup``, or per entry with the options ``pgskip_missed``, ``pgskip_grace``,
 ``pgskip_max_catchup`` (removed from the options before the message is built).
 
@@ -51,7 +61,7 @@ import copy
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import kombu
@@ -66,7 +76,6 @@ from .schedule_spec import (
     IntervalSpec,
     Refused,
     Spec,
-    next_slot,
     spec_for,
     zone,
 )
@@ -78,6 +87,13 @@ logger = logging.getLogger(__name__)
 MISSED_POLICIES = ("latest", "all", "skip")
 DEFAULT_GRACE = timedelta(minutes=2)
 DEFAULT_MAX_CATCHUP = 100
+#: How often ``fire_due()`` runs: pg_cron's minute (or ``pgskip tick`` from cron).
+DEFAULT_TICK = timedelta(minutes=1)
+#: Each run inserts the slots up to one and a half ticks ahead, so that a tick up to half a
+#: tick late finds no slot late. The SQL function's default is the same.
+LOOKAHEAD_TICKS = 1.5
+DEFAULT_LOOKAHEAD = DEFAULT_TICK * LOOKAHEAD_TICKS
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _OUR_OPTIONS = ("pgskip_missed", "pgskip_grace", "pgskip_max_catchup")
 
 
@@ -538,9 +554,19 @@ def db_clock(url: str) -> tuple[datetime, str]:
 
 
 def store_entries(
-    url: str, schema: str, plans: list[EntryPlan], *, dry_run: bool = False
+    url: str,
+    schema: str,
+    plans: list[EntryPlan],
+    *,
+    dry_run: bool = False,
+    tick: timedelta | None = None,
 ) -> list[Change]:
-    """Make the stored entries exactly ``plans``, in one transaction; return what changed."""
+    """Make the stored entries exactly ``plans``, in one transaction; return what changed.
+
+    With ``tick`` (the period of the scheduler that runs ``fire_due()``), the same transaction
+    then fires the schedule as a tick would, up to half a tick after the next tick
+    (:func:`sync_lookahead`): every slot until the scheduler takes over is inserted at its
+    exact time, none is left to be found late. A dry run fires nothing."""
     q = queries_in("periodic.sql", schema)
     changes: list[Change] = []
     with connect(url, autocommit=False) as conn:
@@ -555,7 +581,7 @@ def store_entries(
                 if have is None:
                     conn.execute(q["beat_insert_entry"], params)
                     conn.execute(q["beat_restart_cursor"], {"name": plan.name})
-                    changes.append(Change("+", plan.name, plan.describe() + _next(plan, now)))
+                    changes.append(Change("+", plan.name, plan.describe()))
                     continue
                 digest, key = have
                 if digest == plan.digest:
@@ -565,17 +591,14 @@ def store_entries(
                 conn.execute(q["beat_forget_waiting"], {"name": plan.name})
                 if key != params["schedule_key"]:
                     conn.execute(q["beat_restart_cursor"], {"name": plan.name})
-                else:
-                    conn.execute(q["beat_keep_cursor"], {"name": plan.name})
-                changes.append(
-                    Change(
-                        "~", plan.name, _what_changed(described[plan.name], plan) + _next(plan, now)
-                    )
-                )
+                changes.append(Change("~", plan.name, _what_changed(described[plan.name], plan)))
             for name in sorted(existing):
                 conn.execute(q["beat_forget_waiting"], {"name": name})
                 conn.execute(q["beat_delete_entry"], {"name": name})
                 changes.append(Change("-", name, "removed (no longer in beat_schedule)"))
+            if tick is not None and not dry_run:
+                conn.execute(q["fire_due"], {"now": now, "lookahead": sync_lookahead(now, tick)})
+            changes = _with_next_runs(conn, schema, changes, {p.name: p for p in plans})
         except BaseException:
             conn.rollback()
             raise
@@ -584,6 +607,38 @@ def store_entries(
         else:
             conn.commit()
     return changes
+
+
+def sync_lookahead(now: datetime, tick: timedelta) -> timedelta:
+    """How far ahead of ``now`` ``beat-sync`` fires the schedule itself: to half a tick after the
+    next tick, where that tick (which inserts a tick and a half ahead) takes over with the same
+    margin as between two ticks. Ticks come on multiples of their period, as pg_cron's and
+    cron's minutes do."""
+    period = _micros(tick)
+    since_epoch = _micros(now - _EPOCH)
+    next_tick = timedelta(microseconds=period - since_epoch % period)
+    return next_tick + tick * (LOOKAHEAD_TICKS - 1)
+
+
+def _with_next_runs(
+    conn: Connection, schema: str, changes: list[Change], plans: dict[str, EntryPlan]
+) -> list[Change]:
+    """Added and changed entries say when they run next, as stored."""
+    q = queries_in("periodic.sql", schema)
+    next_runs = {str(r[0]): r[5] for r in conn.execute(q["beat_list"]).fetchall()}
+    out = []
+    for change in changes:
+        if change.sign in "+~" and change.name in next_runs:
+            nxt = next_runs[change.name]
+            tz = zone(plans[change.name].timezone)
+            when = (
+                "; never runs again"
+                if nxt is None
+                else f"; next run {nxt.astimezone(tz).isoformat(sep=' ')}"
+            )
+            change = Change(change.sign, change.name, change.detail + when)
+        out.append(change)
+    return out
 
 
 def _describe_existing(
@@ -620,11 +675,14 @@ def _what_changed(old: dict[str, Any], plan: EntryPlan) -> str:
     return "; ".join(parts)
 
 
-def _next(plan: EntryPlan, now: datetime) -> str:
-    nxt = next_slot(plan.spec, zone(plan.timezone), now)
-    if nxt is None:
-        return "; never runs again"
-    return f"; next run {nxt.astimezone(zone(plan.timezone)).isoformat(sep=' ')}"
+def tick_of(server: cron.CronServer | None, plans: list[EntryPlan]) -> tuple[str, timedelta]:
+    """The firing job's pg_cron schedule and period: a minute, or (pg_cron 1.5 and later, an
+    entry shorter than a minute) a few seconds. Without pg_cron, ``pgskip tick`` every minute."""
+    if server is None:
+        return "* * * * *", DEFAULT_TICK
+    periods = [p.spec.every.total_seconds() for p in plans if isinstance(p.spec, IntervalSpec)]
+    schedule, seconds = cron.tick_schedule(server, min(periods) if periods else None)
+    return schedule, timedelta(seconds=seconds)
 
 
 def fire_job(
@@ -635,13 +693,13 @@ def fire_job(
         return []
     from psycopg import sql
 
-    periods = [p.spec.every.total_seconds() for p in plans if isinstance(p.spec, IntervalSpec)]
-    schedule, tick = cron.tick_schedule(server, min(periods) if periods else None)
-    if tick == 60:
+    schedule, tick = tick_of(server, plans)
+    if tick == DEFAULT_TICK:
         command = sql.SQL("SELECT {}.fire_due()").format(sql.Identifier(schema))
     else:
+        lookahead = (tick * LOOKAHEAD_TICKS).total_seconds()
         command = sql.SQL("SELECT {}.fire_due(lookahead => {})").format(
-            sql.Identifier(schema), sql.Literal(f"{tick} seconds")
+            sql.Identifier(schema), sql.Literal(f"{lookahead:g} seconds")
         )
     return [
         cron.Job(
@@ -667,8 +725,10 @@ def beat_sync(
 
     Order of operations, so that a failure leaves nothing half-done: every entry is checked
     and its messages built; pg_cron and the role's privileges are checked; the entries are
-    written in one transaction; then the pg_cron job is installed (idempotent, so running
-    the command again after fixing a pg_cron problem completes it).
+    written in one transaction, which also fires them up to half a tick after pg_cron's next
+    tick (so the first runs come on time, never in a burst at that tick); then the pg_cron job
+    is installed (idempotent, so running the command again after fixing a pg_cron problem
+    completes it).
 
     A dry run needs no pg_cron: when it cannot be used, the reason is in the result's
     ``cron_problem`` instead of raised.
@@ -684,7 +744,8 @@ def beat_sync(
             if not dry_run:
                 raise
             cron_problem = str(exc)
-    changes = store_entries(url, schema, plans, dry_run=dry_run)
+    _, tick = tick_of(server, plans)
+    changes = store_entries(url, schema, plans, dry_run=dry_run, tick=tick)
     cron_changes: list[str] = []
     mark: int | None = None
     if server is not None and not dry_run:
@@ -720,7 +781,9 @@ class StoredEntry:
     schedule: str
     timezone: str
     missed: str
+    #: When its next message is sent: its next slot, or later for a late or paced run.
     next_run: datetime | None
+    #: When its last message was sent.
     last_run: datetime | None
     last_task_id: str | None
     last_fired_at: datetime | None
@@ -753,9 +816,10 @@ def fire_due(
     schema: str,
     *,
     now: datetime | None = None,
-    lookahead: timedelta = timedelta(minutes=1),
+    lookahead: timedelta = DEFAULT_LOOKAHEAD,
 ) -> int:
-    """Run ``<schema>.fire_due()`` once (what the pg_cron job does); returns the slots fired."""
+    """Run ``<schema>.fire_due()`` once (what the pg_cron job does): fire the due slots and insert
+    those up to ``now + lookahead``; returns the slots fired."""
     with connect(url) as conn:
         row = conn.execute(
             queries_in("periodic.sql", schema)["fire_due"], {"now": now, "lookahead": lookahead}

@@ -6,8 +6,8 @@ fetch connection) and decides nothing: :mod:`~kombu_pgskip.dispatch` does, by as
 :mod:`~kombu_pgskip.policy`. The way kombu's Redis transport keeps its ``MultiChannelPoller``
 apart from its channels.
 
-* The LISTEN connection hears ``<schema>_jobs`` (a payload per queue a publish wrote to) and
-  ``<schema>_scheduled`` (the due time of a scheduled message), both sent at commit.
+* The LISTEN connection hears ``pgskip:<schema>`` (a payload per queue a publish wrote to) and
+  ``pgskip:<schema>:scheduled`` (the due time of a scheduled message), both sent at commit.
 * The self-pipe lets other threads wake the consumer thread: an ack on a pool thread frees
   prefetch credit, a new consumer asks for a fetch.
 * In the event loop the poller registers those and each fetch connection's socket with

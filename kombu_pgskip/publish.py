@@ -330,8 +330,36 @@ def apply_async_in(
     meaning; ``connection``, ``producer`` and ``retry=True`` are refused.
 
     Commit: the job exists and idle workers wake at once. Rollback: no job and no wake-up.
-    Returns the :class:`~celery.result.AsyncResult` ``apply_async`` returns. See the module
-    docstring for the errors, all raised before anything is written.
+    Returns the :class:`~celery.result.AsyncResult` ``apply_async`` returns.
+
+    .. code-block:: python
+
+        with psycopg.connect(dsn) as conn, conn.transaction():
+            order_id = create_order(conn, cart)
+            apply_async_in(conn, send_invoice_email, args=(order_id,), countdown=5)
+
+    Each of these errors is raised before anything is written (the schema check runs
+    statements that cannot fail, so the transaction is still usable after it):
+
+    * :class:`~kombu_pgskip.exceptions.NotAConnection`: ``conn`` is not one of the
+      connections above (an ``Engine``, a DSN, an async connection);
+    * :class:`~kombu_pgskip.exceptions.ConnectionInAutocommit`: the job would be committed
+      on its own; open a transaction first;
+    * :class:`~kombu_pgskip.exceptions.TransactionAborted`: an earlier statement of the
+      transaction failed; roll back (or to a savepoint) first;
+    * :class:`~kombu_pgskip.exceptions.ConnectionClosed`;
+    * :class:`~kombu_pgskip.exceptions.SchemaNotInstalled`,
+      :class:`~kombu_pgskip.exceptions.SchemaOutdated`,
+      :class:`~kombu_pgskip.exceptions.SchemaTooNew`: the database ``conn`` is connected to
+      has no pgskip schema, or one of another version;
+    * :class:`~kombu_pgskip.exceptions.UnsupportedCanvas`: a chord, or a chain that starts
+      with a group followed by more tasks (Celery would publish its header outside the
+      transaction);
+    * :class:`~kombu_pgskip.exceptions.ConfigurationError`: the task's app does not use the
+      ``pgskip://`` broker.
+
+    A failing ``INSERT`` of the job itself (the role lacks the privilege, say) aborts the
+    transaction as any failing statement does.
     """
     if isinstance(task, dict):
         task = maybe_signature(task)
@@ -363,8 +391,14 @@ def send_task_in(
 ) -> AsyncResult:
     """Enqueue the task called ``name`` inside ``conn``'s transaction, as ``app.send_task``.
 
-    For tasks whose code is not importable here. ``app`` defaults to Celery's current app.
-    Everything else is as :func:`apply_async_in`.
+    For tasks whose code is not importable here. ``app`` defaults to Celery's current app,
+    and must use the ``pgskip://`` broker. Everything else (connections, options, the
+    guarantee, the errors) is as :func:`apply_async_in`.
+
+    .. code-block:: python
+
+        with psycopg.connect(dsn) as conn, conn.transaction():
+            send_task_in(conn, "billing.send_invoice", args=(order_id,), app=app)
     """
     app = app if app is not None else current_app
     opts = _check_options(options, "send_task_in")
@@ -399,8 +433,7 @@ def transaction(
     lock from the commit until the commit is flushed (and confirmed by a synchronous standby):
     transactions that enqueue commit one at a time. Here the jobs are written without it, and
     once the outermost block has committed, one statement on ``conn`` (in autocommit: it leaves
-    no transaction open) sends one NOTIFY per queue, as on Django
-    (:meth:`~kombu_pgskip.executor.CallerConnection.wakes`).
+    no transaction open) sends one NOTIFY per queue, as on Django.
     A rollback, an exception, :class:`psycopg.Rollback` or ``force_rollback`` sends nothing.
     The extra statement costs a round trip and a small transaction: it pays where many
     processes enqueue and commits are slow (network storage, a synchronous standby), and

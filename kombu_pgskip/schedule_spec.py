@@ -17,10 +17,12 @@ by the SQL function ``<schema>.fire_due()`` with the same rules as :func:`next_s
 
 ``interval`` (numbers, ``timedelta``, ``schedule(...)``, ``relative`` below one day)
     ``first + k * every`` for k = 0, 1, ... in elapsed time (DST does not stretch it). ``first``
-    is one period after the sync (beat's first run is one period after it starts). For
-    ``relative=True`` Celery rounds each run down to the minute or hour, which makes the
-    effective period ``every`` rounded down to whole minutes or hours and aligns ``first`` to
-    that boundary (computed with Celery's own ``remaining(..., relative=True)``).
+    is one period after the sync (beat's first run is one period after it starts); after a
+    late run, ``fire_due()`` moves it to one period after that run, as beat counts from its
+    last run (:mod:`kombu_pgskip.periodic`). For ``relative=True`` Celery rounds each run down
+    to the minute or hour, which makes the effective period ``every`` rounded down to whole
+    minutes or hours and aligns ``first`` to that boundary (computed with Celery's own
+    ``remaining(..., relative=True)``); those keep their alignment after a late run.
 
 ``days`` (``relative`` of one day or more)
     Local midnight every ``every_days`` calendar days, starting at Celery's first rounded

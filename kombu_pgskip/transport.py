@@ -30,7 +30,8 @@ ack (deleted instead with ``keep_completed=False``); ``running -> pending`` on r
 channel close, or when its consumer's lease runs out (``redelivered`` is then true);
 ``running -> failed`` on reject without requeue or after ``max_attempts`` deliveries. A message
 whose ``eta`` is more than ``eta_threshold`` seconds away is stored as ``scheduled`` and promoted
-to ``pending`` when due, so workers do not hold it.
+to ``pending`` when due, so workers do not hold it; Celery's ``inspect scheduled`` lists it all
+the same (:mod:`kombu_pgskip.control`).
 
 Every consumer has a lease (a row in ``consumers``) that a heartbeat thread renews every
 ``lease_seconds / 3``, on a connection that also holds a session-level advisory lock for as long
@@ -176,6 +177,7 @@ from kombu.transport import virtual
 from .background import Background
 from .channel import Channel, QoS
 from .channel import Channel as PgChannel  # ``Channel`` is shadowed in Transport's body
+from .control import install as extend_remote_control
 from .dispatch import Dispatcher
 from .exceptions import TransientDatabaseError
 from .options import Options
@@ -231,6 +233,8 @@ class Transport(virtual.Transport):
         self._consumers: list[PgChannel] = []
         self._background: Background | None = None
         self.dispatcher = Dispatcher(self)
+        # In a Celery worker, `inspect scheduled` lists the ETAs stored in the database too.
+        extend_remote_control()
 
     def __repr__(self) -> str:
         return f"<pgskip Transport {mask_url(self.url)}>"

@@ -119,6 +119,7 @@ CREATE TABLE pgskip.beat_entries (
     last_fired_at timestamp with time zone,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    relative boolean GENERATED ALWAYS AS ((strpos(schedule_key, ', relative'::text) > 0)) STORED NOT NULL,
     CONSTRAINT beat_entries_check CHECK (((kind <> 'crontab'::text) OR ((minutes IS NOT NULL) AND (hours IS NOT NULL) AND (days_of_week IS NOT NULL) AND (days_of_month IS NOT NULL) AND (months IS NOT NULL)))),
     CONSTRAINT beat_entries_check1 CHECK (((kind <> 'interval'::text) OR ((first_slot IS NOT NULL) AND (every_us IS NOT NULL)))),
     CONSTRAINT beat_entries_check2 CHECK (((kind <> 'days'::text) OR ((first_slot IS NOT NULL) AND (every_days IS NOT NULL)))),
@@ -130,21 +131,25 @@ CREATE TABLE pgskip.beat_entries (
 );
 
 --
--- Name: beat_emit(pgskip.beat_entries, timestamp with time zone, timestamp with time zone); Type: FUNCTION; Schema: pgskip; Owner: -
+-- Name: COLUMN beat_entries.relative; Type: COMMENT; Schema: pgskip; Owner: -
 --
 
-CREATE FUNCTION pgskip.beat_emit(e pgskip.beat_entries, slot timestamp with time zone, fired_at timestamp with time zone) RETURNS text
+COMMENT ON COLUMN pgskip.beat_entries.relative IS 'a relative=True schedule (kept to the wall clock after a late run, as crontab entries are)';
+
+--
+-- Name: beat_emit(pgskip.beat_entries, timestamp with time zone, timestamp with time zone, timestamp with time zone); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.beat_emit(e pgskip.beat_entries, slot timestamp with time zone, sent timestamp with time zone, fired_at timestamp with time zone) RETURNS text
     LANGUAGE plpgsql
     SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
     tid      text := COALESCE(e.fixed_task_id, gen_random_uuid()::text);
-    -- Celery builds beat's message when it sends it: at the slot, or now for a late one.
-    sent     timestamptz := greatest(slot, fired_at);
-    due      timestamptz := greatest(slot, fired_at) + COALESCE(e.eta_offset, interval '0');
+    due      timestamptz := sent + COALESCE(e.eta_offset, interval '0');
     inserted record;
 BEGIN
-    INSERT INTO beat_slots (entry, slot, task_id) VALUES (e.name, slot, tid)
+    INSERT INTO beat_slots (entry, slot, task_id, sent_at) VALUES (e.name, slot, tid, sent)
         ON CONFLICT ON CONSTRAINT beat_slots_pkey DO NOTHING;
     IF NOT FOUND THEN
         RETURN NULL;
@@ -308,18 +313,21 @@ $$;
 -- Name: fire_due(timestamp with time zone, interval); Type: FUNCTION; Schema: pgskip; Owner: -
 --
 
-CREATE FUNCTION pgskip.fire_due(now timestamp with time zone DEFAULT now(), lookahead interval DEFAULT '00:01:00'::interval) RETURNS integer
+CREATE FUNCTION pgskip.fire_due(now timestamp with time zone DEFAULT now(), lookahead interval DEFAULT '00:01:30'::interval) RETURNS integer
     LANGUAGE plpgsql
     SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
     e          beat_entries;
     horizon    timestamptz := fire_due.now + fire_due.lookahead;
-    on_time    timestamptz;
-    s          timestamptz;
-    late       timestamptz;
-    n_late     integer;
+    every      interval;
+    s          timestamptz;  -- the entry's cursor: its first slot not handled yet
+    late       timestamptz;  -- its newest slot before now
+    nxt        timestamptz;  -- its first slot at or after now
     steps      integer;
+    pace       interval;
+    sent       timestamptz;
+    prev_sent  timestamptz;
     tid        text;
     last_s     timestamptz;
     last_tid   text;
@@ -331,67 +339,86 @@ BEGIN
          ORDER BY name
            FOR UPDATE
     LOOP
-        on_time := fire_due.now - e.grace;
         s := e.next_slot;
+        every := interval '1 microsecond' * e.every_us::float8;
         last_s := NULL;
         last_tid := NULL;
-        IF s < on_time THEN
-            -- Missed slots.
-            late := NULL;
-            n_late := 0;
-            IF e.missed = 'all' THEN
-                WHILE s IS NOT NULL AND s < on_time AND n_late < e.max_catchup LOOP
-                    tid := beat_emit(e, s, fire_due.now);
-                    IF tid IS NOT NULL THEN
-                        fired := fired + 1;
-                        last_s := s;
-                        last_tid := tid;
-                    END IF;
-                    n_late := n_late + 1;
-                    s := beat_next_slot(e, s);
-                END LOOP;
-            ELSIF e.kind = 'interval' THEN
-                s := beat_next_slot(e, on_time - interval '1 microsecond');
-                late := s - interval '1 microsecond' * e.every_us::float8;
+        prev_sent := NULL;
+        pace := NULL;
+        IF e.missed = 'all' THEN
+            -- Every slot runs, late ones oldest first, each at least `pace` after the previous
+            -- run (of this call or of an earlier one).
+            pace := interval '60 seconds' / e.max_catchup;
+            IF e.kind = 'interval' THEN
+                pace := least(pace, every);
+            END IF;
+            SELECT max(b.sent_at) INTO prev_sent FROM beat_slots AS b WHERE b.entry = e.name;
+        ELSIF s < fire_due.now THEN
+            -- Late slots: one run, at once, stands for them (if the newest is within the grace,
+            -- or by the 'latest' policy); then the cadence goes on.
+            IF e.kind = 'interval' THEN
+                nxt := beat_next_slot(e, fire_due.now - interval '1 microsecond');
+                late := nxt - every;
             ELSE
                 steps := 0;
-                WHILE s IS NOT NULL AND s < on_time LOOP
+                late := NULL;
+                WHILE s IS NOT NULL AND s < fire_due.now LOOP
                     late := s;
                     steps := steps + 1;
                     IF steps >= 50000 THEN
-                        -- A very long outage: restart the walk a day before the grace window.
-                        s := beat_next_slot(e, greatest(s, on_time - interval '1 day'));
+                        -- A very long outage: go on from a day ago.
+                        s := beat_next_slot(e, greatest(s, fire_due.now - interval '1 day'));
                         steps := 0;
                     ELSE
                         s := beat_next_slot(e, s);
                     END IF;
                 END LOOP;
+                nxt := s;
             END IF;
-            IF e.missed = 'latest' AND late IS NOT NULL
-               AND (s IS NULL OR s > fire_due.now)
-               AND (e.deadline IS NULL OR late >= fire_due.now - e.deadline) THEN
-                -- One message stands for the missed ones, unless a slot is due now anyway.
-                tid := beat_emit(e, late, fire_due.now);
+            IF fire_due.now - late <= e.grace
+               OR (e.missed = 'latest'
+                   AND (e.deadline IS NULL OR fire_due.now - late <= e.deadline)) THEN
+                IF e.kind = 'interval' AND NOT e.relative THEN
+                    -- Elapsed time: the next run one interval after this one, on a whole
+                    -- second (from the same instant for sub-second intervals).
+                    e.first_slot := CASE WHEN e.every_us >= 1000000
+                                         THEN date_trunc('second', fire_due.now - interval '1 microsecond')
+                                              + interval '1 second'
+                                         ELSE fire_due.now END
+                                    + every;
+                    nxt := e.first_slot;
+                    tid := beat_emit(e, late, fire_due.now, fire_due.now);
+                ELSIF nxt IS NULL OR nxt - fire_due.now >= least(fire_due.now - late, e.grace) THEN
+                    -- Wall clock: unless the next slot is nearer (and within the grace), which
+                    -- then stands for this one.
+                    tid := beat_emit(e, late, fire_due.now, fire_due.now);
+                ELSE
+                    tid := NULL;
+                END IF;
                 IF tid IS NOT NULL THEN
                     fired := fired + 1;
                     last_s := late;
                     last_tid := tid;
+                    prev_sent := fire_due.now;
                 END IF;
             END IF;
+            s := nxt;
         END IF;
-        IF s IS NULL OR s >= on_time THEN
-            WHILE s IS NOT NULL AND s <= horizon LOOP
-                tid := beat_emit(e, s, fire_due.now);
-                IF tid IS NOT NULL THEN
-                    fired := fired + 1;
-                    last_s := s;
-                    last_tid := tid;
-                END IF;
-                s := beat_next_slot(e, s);
-            END LOOP;
-        END IF;
+        WHILE s IS NOT NULL AND s <= horizon LOOP
+            sent := greatest(s, fire_due.now, prev_sent + pace);
+            EXIT WHEN sent > horizon;
+            tid := beat_emit(e, s, sent, fire_due.now);
+            IF tid IS NOT NULL THEN
+                fired := fired + 1;
+                last_s := s;
+                last_tid := tid;
+                prev_sent := sent;
+            END IF;
+            s := beat_next_slot(e, s);
+        END LOOP;
         UPDATE beat_entries
            SET next_slot = s,
+               first_slot = e.first_slot,
                last_slot = CASE WHEN last_s IS NULL THEN last_slot
                                 ELSE greatest(last_slot, last_s) END,
                last_task_id = CASE WHEN last_s IS NULL OR last_s < last_slot THEN last_task_id
@@ -567,8 +594,15 @@ CREATE TABLE pgskip.beat_slots (
     entry text NOT NULL,
     slot timestamp with time zone NOT NULL,
     task_id text NOT NULL,
-    fired_at timestamp with time zone DEFAULT now() NOT NULL
+    fired_at timestamp with time zone DEFAULT now() NOT NULL,
+    sent_at timestamp with time zone NOT NULL
 );
+
+--
+-- Name: COLUMN beat_slots.sent_at; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.beat_slots.sent_at IS 'when the slot''s message is sent (due, before any countdown): at the slot, or later for a late or paced run';
 
 --
 -- Name: bindings; Type: TABLE; Schema: pgskip; Owner: -
@@ -759,6 +793,12 @@ ALTER TABLE ONLY pgskip.queues
     ADD CONSTRAINT queues_pkey PRIMARY KEY (name);
 
 --
+-- Name: beat_slots_sent; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX beat_slots_sent ON pgskip.beat_slots USING btree (entry, sent_at);
+
+--
 -- Name: bindings_queue; Type: INDEX; Schema: pgskip; Owner: -
 --
 
@@ -840,10 +880,10 @@ REVOKE ALL ON TYPE pgskip.job_status FROM PUBLIC;
 REVOKE ALL ON FUNCTION pgskip.beat_cron_next(after timestamp with time zone, tz text, minutes smallint[], hours smallint[], days_of_week smallint[], days_of_month smallint[], months smallint[]) FROM PUBLIC;
 
 --
--- Name: FUNCTION beat_emit(e pgskip.beat_entries, slot timestamp with time zone, fired_at timestamp with time zone); Type: ACL; Schema: pgskip; Owner: -
+-- Name: FUNCTION beat_emit(e pgskip.beat_entries, slot timestamp with time zone, sent timestamp with time zone, fired_at timestamp with time zone); Type: ACL; Schema: pgskip; Owner: -
 --
 
-REVOKE ALL ON FUNCTION pgskip.beat_emit(e pgskip.beat_entries, slot timestamp with time zone, fired_at timestamp with time zone) FROM PUBLIC;
+REVOKE ALL ON FUNCTION pgskip.beat_emit(e pgskip.beat_entries, slot timestamp with time zone, sent timestamp with time zone, fired_at timestamp with time zone) FROM PUBLIC;
 
 --
 -- Name: FUNCTION beat_isoformat(t timestamp with time zone); Type: ACL; Schema: pgskip; Owner: -

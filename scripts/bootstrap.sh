@@ -2,7 +2,7 @@
 # Idempotent setup of a fresh Debian/Ubuntu machine for kombu-pgskip development:
 #   1. PostgreSQL server binaries and pg_cron (apt), pgbouncer (tests/chaos), python3-venv when
 #      missing;
-#   2. .venv in the repo root with `pip install -e ".[binary,test]"`.
+#   2. .venv in the repo root with `pip install -e ".[binary,test,docs]"`.
 # Run as root or as a user with sudo. A second run changes nothing and installs nothing
 # (the pip step reruns only when pyproject.toml changes).
 #
@@ -150,8 +150,8 @@ have="$(cat "$STAMP" 2>/dev/null || true)"
 if [ "$want" = "$have" ] && (cd / && "$VENV/bin/python" -c 'import kombu_pgskip') >/dev/null 2>&1; then
     step ".venv up to date"
 else
-    step "installing kombu-pgskip[binary,test] into .venv (pip install -e)"
+    step "installing kombu-pgskip[binary,test,docs] into .venv (pip install -e)"
     quiet "upgrading pip" "$VENV/bin/python" -m pip install -q --upgrade pip
-    quiet "pip install" "$VENV/bin/python" -m pip install -q -e "${ROOT}[binary,test]"
+    quiet "pip install" "$VENV/bin/python" -m pip install -q -e "${ROOT}[binary,test,docs]"
     echo "$want" >"$STAMP"
 fi

@@ -7,7 +7,8 @@
 #      `python -m kombu_pgskip --version` prints it;
 #   4. the wheel has kombu_pgskip.pth at its top, listed in RECORD, and in the virtualenv a fresh
 #      interpreter resolves `pgskip://` with nothing imported by hand, while one that never
-#      imports kombu does not get kombu imported by it.
+#      imports kombu does not get kombu imported by it;
+#   5. pytest in that virtualenv loads the pytest plugin by its entry point, with -W error.
 # Uses .venv (scripts/bootstrap.sh) for `build`, installing it there when missing.
 # Environment:
 #   PGSKIP_CHECK_DIR  where to build and create the virtualenv (default: a temporary directory,
@@ -116,4 +117,14 @@ assert f"{cls.__module__}:{cls.__qualname__}" == "kombu_pgskip.transport:Transpo
 assert sys.modules[cls.__module__].__file__.startswith(sys.prefix), sys.modules[cls.__module__]
 assert conn.transport.driver_type == "pgskip"') \
     || die "pgskip:// does not resolve in a fresh interpreter of the virtualenv"
-step "ok: kombu_pgskip $GOT imports from the wheel, and pgskip:// resolves without importing it"
+# The pytest plugin loads by its entry point, and pytest -W error starts with it (the .pth
+# module it finds imported already must not be marked for assertion rewriting).
+"$VENV/bin/python" -m pip install -q pytest
+mkdir -p "$WORK/usertests"
+cat >"$WORK/usertests/test_plugin_loaded.py" <<'PYTEST'
+def test_the_plugin_is_loaded(pytestconfig):
+    assert pytestconfig.pluginmanager.has_plugin("pgskip")
+PYTEST
+(cd "$WORK/usertests" && "$VENV/bin/python" -m pytest -q -W error -p no:cacheprovider) \
+    || die "pytest -W error with the pytest plugin from the wheel failed"
+step "ok: kombu_pgskip $GOT imports from the wheel, pgskip:// resolves without importing it, the pytest plugin loads"

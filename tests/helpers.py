@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -234,3 +235,24 @@ class CeleryWorker:
     def __repr__(self) -> str:
         state = "running" if self.is_running() else f"exit={self.returncode}"
         return f"<CeleryWorker {self.app_module} {self.hostname} {state}>"
+
+
+def build_wheel(into: Path) -> Path:
+    """Build the wheel (no dependencies, no build isolation) from a copy of the files it is
+    made of, into ``into``, and return it: an in-tree build reuses build/lib, which keeps
+    modules deleted from the source tree and ships them."""
+    src = into / "src"
+    for name in ("kombu_pgskip", "migrations", "build_backend"):
+        shutil.copytree(REPO_ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("_kombu_pgskip_alias.py", "_kombu_pgskip_pytest.py", "pyproject.toml"):
+        shutil.copy2(REPO_ROOT / name, src / name)
+    for name in ("README.md", "LICENSE"):
+        shutil.copy2(REPO_ROOT / name, src / name)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(into), str(src)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (wheel,) = into.glob("kombu_pgskip-*.whl")
+    return wheel

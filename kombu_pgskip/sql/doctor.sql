@@ -107,3 +107,24 @@ SELECT (SELECT substr(c, length('search_path=') + 1)
              AND (s.setrole, s.setdatabase) = (0::oid, d.oid))
   FROM pg_roles AS r, pg_database AS d
  WHERE r.rolname = %(role)s AND d.datname = current_database();
+
+-- jobs_storage: the storage parameters set on the schema's jobs table (NULL when none is), and whether autovacuum runs at all on this server (autovacuum and track_counts); no row when there is no such table
+SELECT c.reloptions,
+       current_setting('autovacuum') = 'on' AND current_setting('track_counts') = 'on'
+  FROM pg_class AS c
+  JOIN pg_namespace AS n ON n.oid = c.relnamespace
+ WHERE n.nspname = %(schema)s AND c.relname = 'jobs' AND c.relkind IN ('r', 'p');
+
+-- invalid_indexes: indexes on the schema's tables that queries may not use (pg_index.indisvalid false, as a failed or a running CREATE INDEX CONCURRENTLY leaves them): (index, table, its definition, the pid of a concurrent index build running on that table now, NULL when none is or this role may not see it)
+SELECT i.indexrelid::regclass::text, i.indrelid::regclass::text,
+       pg_get_indexdef(i.indexrelid),
+       (SELECT p.pid FROM pg_stat_progress_create_index AS p
+         WHERE p.relid = i.indrelid
+           AND p.command IN ('CREATE INDEX CONCURRENTLY', 'REINDEX CONCURRENTLY')
+         ORDER BY p.index_relid = i.indexrelid DESC
+         LIMIT 1)
+  FROM pg_index AS i
+  JOIN pg_class AS t ON t.oid = i.indrelid
+  JOIN pg_namespace AS n ON n.oid = t.relnamespace
+ WHERE n.nspname = %(schema)s AND NOT i.indisvalid
+ ORDER BY 1;

@@ -24,7 +24,7 @@ VALUES (
     %(digest)s)
 RETURNING name;
 
--- beat_update_entry: replace an entry's definition (its cursor is set by beat_restart_cursor or beat_keep_cursor)
+-- beat_update_entry: replace an entry's definition (then beat_forget_waiting, and beat_restart_cursor for a new schedule)
 UPDATE {schema}.beat_entries
    SET task = %(task)s, kind = %(kind)s, timezone = %(timezone)s, minutes = %(minutes)s,
        hours = %(hours)s, days_of_week = %(days_of_week)s, days_of_month = %(days_of_month)s,
@@ -38,52 +38,52 @@ UPDATE {schema}.beat_entries
        expires_offset = %(expires_offset)s, digest = %(digest)s, updated_at = now()
  WHERE name = %(name)s;
 
--- beat_forget_waiting: delete an entry's messages fired ahead of time that still wait ('scheduled'), and their slot records, so they fire again with the new definition
+-- beat_forget_waiting: delete an entry's messages still to be sent ('scheduled', sent after now) and their slot records, and move its cursor back to the first of them: they fire again with the new definition
 WITH w AS (
     DELETE FROM {schema}.jobs AS j
      USING {schema}.beat_slots AS s
-     WHERE s.entry = %(name)s AND s.slot > now()
+     WHERE s.entry = %(name)s AND s.sent_at > now()
        AND j.status = 'scheduled' AND j.run_at > now() AND j.task_id = s.task_id
     RETURNING j.task_id
+), forgotten AS (
+    DELETE FROM {schema}.beat_slots
+     WHERE entry = %(name)s AND task_id IN (SELECT task_id FROM w)
+    RETURNING slot
 )
-DELETE FROM {schema}.beat_slots
- WHERE entry = %(name)s AND task_id IN (SELECT task_id FROM w);
+UPDATE {schema}.beat_entries
+   SET next_slot = LEAST(next_slot, (SELECT min(slot) FROM forgotten))
+ WHERE name = %(name)s;
 
 -- beat_restart_cursor: a new or rescheduled entry starts at its first slot after now
 UPDATE {schema}.beat_entries AS e
    SET next_slot = {schema}.beat_next_slot(e, now())
  WHERE name = %(name)s;
 
--- beat_keep_cursor: same schedule, new message: keep pending catch-up, refire what was forgotten
-UPDATE {schema}.beat_entries AS e
-   SET next_slot = LEAST(e.next_slot, {schema}.beat_next_slot(e, now()))
- WHERE name = %(name)s;
-
 -- beat_delete_entry: remove an entry (its slot records go with it)
 DELETE FROM {schema}.beat_entries WHERE name = %(name)s;
 
--- beat_list: stored entries with their next run and their last run (the newest slot already due)
+-- beat_list: stored entries with their next run and their last run (the newest message already sent)
 SELECT e.name, e.task, e.description, e.timezone, e.missed,
-       COALESCE((SELECT min(s.slot) FROM {schema}.beat_slots AS s
-                  WHERE s.entry = e.name AND s.slot > now()), e.next_slot) AS next_run,
-       last.slot, last.task_id, last.fired_at,
+       COALESCE((SELECT min(s.sent_at) FROM {schema}.beat_slots AS s
+                  WHERE s.entry = e.name AND s.sent_at > now()), e.next_slot) AS next_run,
+       last.sent_at, last.task_id, last.fired_at,
        (SELECT array_agg(DISTINCT m.value->>'queue') FROM jsonb_array_elements(e.messages) AS m)
   FROM {schema}.beat_entries AS e
   LEFT JOIN LATERAL (
-        SELECT s.slot, s.task_id, s.fired_at FROM {schema}.beat_slots AS s
-         WHERE s.entry = e.name AND s.slot <= now()
-         ORDER BY s.slot DESC
+        SELECT s.sent_at, s.task_id, s.fired_at FROM {schema}.beat_slots AS s
+         WHERE s.entry = e.name AND s.sent_at <= now()
+         ORDER BY s.sent_at DESC
          LIMIT 1
   ) AS last ON true
  ORDER BY e.name;
 
--- beat_slots_of: the slots fired for an entry, oldest first, with their task ids
-SELECT slot, task_id, fired_at
+-- beat_slots_of: the slots fired for an entry, oldest first, with their task ids and when their messages are sent
+SELECT slot, task_id, fired_at, sent_at
   FROM {schema}.beat_slots
  WHERE entry = %(name)s
  ORDER BY slot;
 
--- fire_due: fire every due slot (what the pg_cron job runs); returns how many slots fired
+-- fire_due: fire every due slot and insert those up to now + lookahead (what the pg_cron job runs); returns how many slots fired
 SELECT {schema}.fire_due(COALESCE(%(now)s::timestamptz, now()), %(lookahead)s::interval);
 
 -- sweep: return dead consumers' rows, promote due scheduled rows (what the sweep job runs)

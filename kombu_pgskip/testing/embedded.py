@@ -387,6 +387,11 @@ class EmbeddedPostgres:
         self._running = False
         shutil.rmtree(root, ignore_errors=True)
 
+    def keep(self) -> None:
+        """Leave the server running and its directory in place when the interpreter exits
+        (for debugging a test run); :meth:`cleanup` still removes them when called."""
+        atexit.unregister(self.cleanup)
+
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last ``lines`` lines of the server log ('' when there is none)."""
         try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,7 +15,7 @@ from celery import Celery
 
 import kombu_pgskip
 from tests.acceptance.conftest import APPS_DIR
-from tests.helpers import REPO_ROOT, CeleryWorker
+from tests.helpers import REPO_ROOT, CeleryWorker, build_wheel
 
 pytestmark = pytest.mark.acceptance
 
@@ -254,25 +253,14 @@ def test_worker_refuses_a_misspelled_transport_option(db_url: str) -> None:
 
 
 def test_wheel_ships_every_module_the_migrations_and_sql(tmp_path: Path) -> None:
-    # Built from a copy of the files the wheel is made of: an in-tree build reuses build/lib,
-    # which keeps modules deleted from the source tree and ships them.
-    src = tmp_path / "src"
-    for name in ("kombu_pgskip", "migrations", "build_backend"):
-        shutil.copytree(REPO_ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("_kombu_pgskip_alias.py", "pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy2(REPO_ROOT / name, src / name)
-    result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(src)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    (wheel,) = tmp_path.glob("kombu_pgskip-*.whl")
+    wheel = build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     # Every module of the source tree and nothing else: a subpackage missing from
     # [tool.setuptools] packages would be left out.
+    src = tmp_path / "src"  # what build_wheel built from
     modules = {p.relative_to(src).as_posix() for p in (src / "kombu_pgskip").rglob("*.py")}
-    assert {n for n in names if n.endswith(".py")} == modules | {"_kombu_pgskip_alias.py"}
+    top = {"_kombu_pgskip_alias.py", "_kombu_pgskip_pytest.py"}
+    assert {n for n in names if n.endswith(".py")} == modules | top
     assert "kombu_pgskip.pth" in names  # registers pgskip:// at start-up
     # The demo starts its throwaway cluster from the installed package.
     assert "kombu_pgskip/testing/embedded.py" in names
@@ -282,4 +270,6 @@ def test_wheel_ships_every_module_the_migrations_and_sql(tmp_path: Path) -> None
     assert "kombu_pgskip/py.typed" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "pgskip = kombu_pgskip.cli:pgskip" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    declared = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "pgskip = kombu_pgskip.cli:pgskip" in declared
+    assert "[pytest11]\npgskip = _kombu_pgskip_pytest" in declared

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -21,7 +20,7 @@ import pytest
 
 import _kombu_pgskip_alias
 import kombu_pgskip
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, build_wheel
 
 pytestmark = pytest.mark.acceptance
 
@@ -156,18 +155,7 @@ def test_a_plain_script_delay_enqueues_into_pgskip_jobs(db_url: str, tmp_path: P
 
 
 def test_the_wheel_installed_in_a_fresh_virtualenv_resolves_pgskip(tmp_path: Path) -> None:
-    # Built from a copy of what the wheel is made of (an in-tree build would reuse build/).
-    src = tmp_path / "src"
-    for name in ("kombu_pgskip", "migrations", "build_backend"):
-        shutil.copytree(REPO_ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("_kombu_pgskip_alias.py", "pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy2(REPO_ROOT / name, src / name)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(src)],
-        capture_output=True, text=True, timeout=300, check=True,
-    )  # fmt: skip
-    (wheel,) = tmp_path.glob("kombu_pgskip-*.whl")
+    wheel = build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     assert {"kombu_pgskip.pth", "_kombu_pgskip_alias.py"} <= set(names)
 

@@ -1,8 +1,9 @@
 """A Celery app with a ``beat_schedule``, for the periodic-task tests (``pgskip beat-sync``).
 
 ``PGSKIP_BEAT_SCHEDULE`` picks the schedule: ``default`` (one of every form), ``tick`` (one
-entry every minute, for the real pg_cron tick), ``empty``, ``solar`` and ``lazy`` (refused).
-The task ``beatapp.record`` logs into ``test_runs`` like ``taskapp.record``.
+entry every minute), ``hello`` (Celery's periodic-tasks example: ``add_periodic_task(10.0,
+...)``, for the real pg_cron ticks), ``empty``, ``solar`` and ``lazy`` (refused). The task
+``beatapp.record`` logs into ``test_runs`` like ``taskapp.record``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ SCHEDULES = {
     "tick": {
         "every-minute": {"task": "beatapp.record", "schedule": crontab(), "args": ("tick",)},
     },
+    "hello": {},  # filled by add_periodic_task below, as Celery's example does
     "empty": {},
     "solar": {
         "sunrise": {"task": "beatapp.record", "schedule": _sunrise()},
@@ -84,7 +86,8 @@ SCHEDULES = {
     },
 }
 
-app.conf.beat_schedule = SCHEDULES[os.environ.get("PGSKIP_BEAT_SCHEDULE", "default")]
+SCHEDULE = os.environ.get("PGSKIP_BEAT_SCHEDULE", "default")
+app.conf.beat_schedule = SCHEDULES[SCHEDULE]
 
 
 @app.task(bind=True, name="beatapp.record")
@@ -103,3 +106,7 @@ def record(self, key: str, sleep: float = 0.0) -> str:  # type: ignore[no-untype
             ),
         )
     return key
+
+
+if SCHEDULE == "hello":
+    app.add_periodic_task(10.0, record.s("hello"), name="say hello every 10 s")

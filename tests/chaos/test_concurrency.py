@@ -1,6 +1,6 @@
 """Scenario 5: 4 prefork workers drain one queue's messages: each exactly once.
 
-The suite drains 40,000; docs/reliability.md has runs of 100,000
+The suite drains 20,000; docs/reliability.md has runs of 100,000
 (``PGSKIP_CHAOS_MESSAGES=100000``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import psycopg
 
 from tests.chaos.support import Figures, Fleet, Runs, report, seed, verdict, wait_finished
 
-MESSAGES = int(os.environ.get("PGSKIP_CHAOS_MESSAGES", "40000"))
+MESSAGES = int(os.environ.get("PGSKIP_CHAOS_MESSAGES", "20000"))
 WORKERS = ["w1", "w2", "w3", "w4"]
 
 

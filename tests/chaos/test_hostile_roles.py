@@ -663,7 +663,7 @@ def _who_ran_a_shadow_at(db_url: str) -> set[str]:
 
 def _doctor_cli(url: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kombu_pgskip", "doctor", "--url", url],
+        [sys.executable, "-m", "kombu_pgskip", "doctor", "--no-cron", "--url", url],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
 

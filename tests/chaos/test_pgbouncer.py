@@ -14,9 +14,9 @@ from tests.chaos.pgbouncer import PgBouncer
 from tests.chaos.test_concurrency import run_concurrency_scenario
 from tests.chaos.test_crash import run_crash_scenario
 
-# Scenario 5 through PgBouncer: the same four prefork workers and one queue, with 15,000
+# Scenario 5 through PgBouncer: the same four prefork workers and one queue, with 8,000
 # messages. docs/reliability.md has a run of 100,000 (PGSKIP_CHAOS_PGBOUNCER_MESSAGES=100000).
-PGBOUNCER_MESSAGES = int(os.environ.get("PGSKIP_CHAOS_PGBOUNCER_MESSAGES", "15000"))
+PGBOUNCER_MESSAGES = int(os.environ.get("PGSKIP_CHAOS_PGBOUNCER_MESSAGES", "8000"))
 
 
 def test_sigkilled_workers_behind_pgbouncer_lose_nothing(

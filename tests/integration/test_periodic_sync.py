@@ -78,7 +78,7 @@ def test_dry_run_changes_nothing(db_url: str) -> None:
 
 
 # The every-10s entry alone: the hourly one (aligned to the hour) and the nightly one would
-# also have a slot within fire()'s one-minute lookahead in the minute before they are due.
+# also have a slot within fire()'s 90-second lookahead shortly before they are due.
 EVERY_10S = {"every-10s": SCHEDULE["every-10s"]}
 
 

@@ -26,7 +26,7 @@ def test_a_misspelled_option_names_the_key_the_closest_option_and_the_docs() -> 
     message = str(caught.value)
     assert "unknown transport option 'polling_intervall'" in message
     assert "did you mean 'polling_interval'?" in message
-    assert 'README.md, "Transport options"' in message
+    assert "docs/reference/options.md" in message
     assert "kombu_pgskip.transport" in message
 
 

@@ -57,7 +57,7 @@ def test_dependencies_are_what_the_code_imports_and_libpq_binary_is_an_extra() -
                 imported.add(node.module.split(".")[0])
     third_party = {m for m in imported - set(sys.stdlib_module_names) if m != "kombu_pgskip"}
     # imported only by an optional feature (kombu_pgskip.metrics), which its extra installs
-    optional = {"prometheus_client": "metrics"}
+    optional = {"prometheus_client": "metrics", "django": "django"}
     for module, extra in optional.items():
         assert module in third_party
         assert _name(module) in {_name(r) for r in project["optional-dependencies"][extra]}

@@ -10,6 +10,7 @@ import base64
 import json
 from datetime import datetime, timedelta, timezone
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import kombu
 import pytest
@@ -25,6 +26,8 @@ from kombu_pgskip.periodic import (
     _CaptureTransport,
     default_policy,
     plan_entries,
+    sync_lookahead,
+    tick_of,
 )
 
 NOW = datetime(2024, 5, 1, 10, 0, 0, tzinfo=timezone.utc)
@@ -218,6 +221,18 @@ def test_firing_job_uses_seconds_only_where_pg_cron_has_them() -> None:
     assert cron.tick_schedule(new, 0.5) == ("1 seconds", 1)
     assert cron.tick_schedule(new, None) == ("* * * * *", 60)
     assert cron.tick_schedule(new, 3600.0) == ("* * * * *", 60)
+
+
+def test_beat_sync_fires_up_to_half_a_tick_after_the_next_tick() -> None:
+    minute, at = timedelta(minutes=1), NOW.replace(hour=12)
+    assert sync_lookahead(at + timedelta(seconds=55), minute) == timedelta(seconds=35)
+    assert sync_lookahead(at + timedelta(seconds=5), minute) == timedelta(seconds=85)
+    assert sync_lookahead(at, minute) == timedelta(seconds=90)  # that tick may have run already
+    berlin = (at + timedelta(seconds=5)).astimezone(ZoneInfo("Europe/Berlin"))
+    assert sync_lookahead(berlin, minute) == timedelta(seconds=85)
+    assert sync_lookahead(at + timedelta(seconds=5), timedelta(seconds=10)) == timedelta(seconds=10)
+    # Without pg_cron, `pgskip tick` runs every minute.
+    assert tick_of(None, plan_entries(make_app({}), now=NOW)) == ("* * * * *", minute)
 
 
 def test_maintenance_settings_parse_and_validate() -> None:

@@ -1,0 +1,1 @@
+"""Integrations of kombu-pgskip with frameworks: :mod:`kombu_pgskip.contrib.django`."""
