@@ -9,10 +9,21 @@ The convention, for the pages in :data:`SAMPLE_PAGES`:
   runs as module ``proj`` and the blocks after it import from it;
 * the samples connect to :data:`SAMPLE_DATABASE` (user ``app``, password ``secret``, database
   ``app`` on localhost); the tests run them against their own database by putting its address
-  there;
+  there.
+
+Every page's other samples:
+
 * in ```` ```console ```` blocks, a line ``$ celery -A proj pgskip ...`` or
   ``$ python -m kombu_pgskip ...`` is parsed as the command line it is (the command and its
-  options must exist), without running it.
+  options must exist), without running it; such a command line is written nowhere else than in
+  a console block (:func:`misplaced_command_lines`);
+* a ```` ```sql ```` block of queries (``SELECT``, ``WITH``) runs against a migrated database;
+  a block of other statements (``CREATE ROLE``, ``GRANT``: what an operator runs as a
+  superuser or the owner) is not run, and a block mixes none of the two
+  (:func:`sql_queries`);
+* the pages of :data:`PYTEST_SUITE_PAGES` show the files of a pytest suite, every block a
+  ``# name.py`` file: the suite runs (:func:`suite_files`);
+* :data:`SAMPLES_RUN_ELSEWHERE` names the test that runs a page's samples its own way.
 """
 
 from __future__ import annotations
@@ -34,25 +45,35 @@ DOCS = REPO_ROOT / "docs"
 
 #: The pages whose samples run, and where: without a database (the unit test) or against the
 #: test database (the integration test). A new page with Python samples goes in one of them.
-PURE_SAMPLE_PAGES = ("moving-from-redis-rabbitmq.md", "reference/options.md", "faq.md")
-DATABASE_SAMPLE_PAGES = ("getting-started.md", "sqlalchemy.md", "bulk.md")
-SAMPLE_PAGES = PURE_SAMPLE_PAGES + DATABASE_SAMPLE_PAGES
-
-#: Every page of the site written for it (the others came from the repository's docs/ folder):
-#: their console samples are checked, and each one with Python samples is in SAMPLE_PAGES.
-NEW_PAGES = (
-    "index.md",
-    "getting-started.md",
+PURE_SAMPLE_PAGES = (
     "moving-from-redis-rabbitmq.md",
+    "reference/options.md",
+    "faq.md",
+    "reliability.md",
+)
+DATABASE_SAMPLE_PAGES = (
+    "getting-started.md",
     "sqlalchemy.md",
     "bulk.md",
-    "faq.md",
-    "reference/options.md",
-    "reference/cli.md",
-    "reference/exceptions.md",
-    "reference/api.md",
-    "reference/schema.md",
+    "transactional-enqueue.md",
+    "periodic-tasks.md",
+    "metrics.md",
 )
+SAMPLE_PAGES = PURE_SAMPLE_PAGES + DATABASE_SAMPLE_PAGES
+
+#: Pages whose Python samples are the files of a pytest suite (conftest.py, test_*.py): the
+#: integration test writes them to a directory and runs pytest there.
+PYTEST_SUITE_PAGES = ("testing.md",)
+
+#: Pages whose Python samples another test runs, by that test.
+SAMPLES_RUN_ELSEWHERE = {
+    # Every line of the guide's samples is in the Django project or the shell session that
+    # test runs (test_every_line_of_the_guides_python_samples_is_in_what_this_module_runs).
+    "django.md": "tests/acceptance/test_django.py",
+}
+
+#: Every page of the site (relative to docs/).
+PAGES = tuple(sorted(path.relative_to(DOCS).as_posix() for path in DOCS.rglob("*.md")))
 
 #: The database the samples name, after the scheme (``pgskip://``, ``postgresql+psycopg://``).
 SAMPLE_DATABASE = "app:secret@localhost:5432/app"
@@ -90,6 +111,15 @@ def blocks(page: str, language: str) -> list[Block]:
     return found
 
 
+def _command_words(line: str) -> list[str] | None:
+    """The words after ``pgskip`` when ``line`` is a pgskip command line, else None."""
+    words = shlex.split(line, comments=True)
+    for prefix in _COMMAND_PREFIXES:
+        if tuple(words[: len(prefix)]) == prefix:
+            return words[len(prefix) :]
+    return None
+
+
 def pgskip_command_lines(page: str) -> list[tuple[int, list[str]]]:
     """The ``pgskip`` command lines of the page's console blocks: (line, arguments after
     ``pgskip``)."""
@@ -98,11 +128,62 @@ def pgskip_command_lines(page: str) -> list[tuple[int, list[str]]]:
         for offset, line in enumerate(block.text.splitlines()):
             if not line.startswith("$ "):
                 continue
-            words = shlex.split(line[2:], comments=True)
-            for prefix in _COMMAND_PREFIXES:
-                if tuple(words[: len(prefix)]) == prefix:
-                    found.append((block.line + offset, words[len(prefix) :]))
+            words = _command_words(line[2:])
+            if words is not None:
+                found.append((block.line + offset, words))
     return found
+
+
+def misplaced_command_lines(page: str) -> list[tuple[int, str]]:
+    """Lines of the page's blocks other than console blocks that are ``pgskip`` command lines
+    (which the console check would not see): (line, text)."""
+    text = (DOCS / page).read_text(encoding="utf-8")
+    found = []
+    for match in _FENCE.finditer(text):
+        if match.group(1) == "console":
+            continue
+        first = text.count("\n", 0, match.start()) + 2
+        for offset, line in enumerate(match.group(2).splitlines()):
+            stripped = line.strip().removeprefix("$ ")
+            if stripped.startswith(("celery -A proj pgskip", "python -m kombu_pgskip")):
+                found.append((first + offset, line))
+    return found
+
+
+_QUERY = re.compile(r"(SELECT|WITH|TABLE|SHOW)\b", re.IGNORECASE)
+
+
+def sql_statements(sql: str) -> list[str]:
+    """The statements of ``sql``, without ``--`` comments (a sample has no ``;`` in literals)."""
+    lines = [line.split("--", 1)[0] for line in sql.splitlines()]
+    return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
+
+
+def sql_queries(page: str) -> list[Block]:
+    """The page's ```` ```sql ```` blocks of queries, to run. A block of other statements (an
+    operator's ``CREATE ROLE`` or ``GRANT``) is left out; one that mixes queries with other
+    statements is an error, so that no query goes unrun."""
+    queries = []
+    for block in blocks(page, "sql"):
+        kinds = {bool(_QUERY.match(s)) for s in sql_statements(block.text)}
+        if kinds == {True, False}:
+            raise ValueError(f"docs/{page}:{block.line}: queries and other statements in one block")
+        if kinds == {True}:
+            queries.append(block)
+    return queries
+
+
+def suite_files(page: str) -> dict[str, str]:
+    """The files of the pytest suite a page of :data:`PYTEST_SUITE_PAGES` shows: module name
+    (``conftest``, ``test_orders``, ...) to text, each block's ``# name.py`` line kept."""
+    files: dict[str, str] = {}
+    for block in blocks(page, "python"):
+        if block.module is None:
+            raise ValueError(f"docs/{page}:{block.line}: a suite's block starts with # name.py")
+        if block.module in files:
+            raise ValueError(f"docs/{page}:{block.line}: {block.module}.py shown twice")
+        files[block.module] = block.text
+    return files
 
 
 def documented_tables(page: str) -> dict[str, list[str]]:
@@ -144,7 +225,9 @@ def run_samples(page: str, address: str | None = None) -> Iterator[PageRun]:
 
     ``address`` replaces :data:`SAMPLE_DATABASE` in them. Afterwards the modules are removed
     from ``sys.modules``, the connections, engines and Celery apps the samples left open are
-    closed, and Celery's current app is the one before.
+    closed, Celery's current app is the one before, and the samples' ``@app.task`` functions
+    are no longer added to every app finalized later (Celery's shared tasks: two pages that
+    both define ``proj.send_invoice_email`` would otherwise collide in the next app).
     """
     from celery import _state
 
@@ -153,6 +236,7 @@ def run_samples(page: str, address: str | None = None) -> Iterator[PageRun]:
     main = types.ModuleType(f"docs_sample_{Path(page).stem.replace('-', '_')}")
     run = PageRun(namespace=vars(main), modules={})
     current_app = getattr(_state._tls, "current_app", None)
+    finalizers = set(_state._on_app_finalizers)
     sys.modules[main.__name__] = main
     try:
         for block in blocks(page, "python"):
@@ -172,6 +256,7 @@ def run_samples(page: str, address: str | None = None) -> Iterator[PageRun]:
             sys.modules.pop(name, None)
         _close(run)
         _state._tls.current_app = current_app
+        _state._on_app_finalizers.intersection_update(finalizers)
 
 
 def _close(run: PageRun) -> None:

@@ -1,12 +1,29 @@
 """The documentation's samples that need a database run against the test database and do what
-the page says they do (tests/docs_support.py: the convention), and the schema reference
-describes the schema the migrations build."""
+the page says they do (tests/docs_support.py: the convention), the SQL queries of every page
+run, the testing guide's suite passes, and the schema reference describes the schema the
+migrations build."""
 
 from __future__ import annotations
 
-import psycopg
+import importlib.metadata
+import os
 
-from tests.docs_support import blocks, documented_tables, run_samples, sample_address
+import psycopg
+import pytest
+
+from tests.docs_support import (
+    PAGES,
+    PYTEST_SUITE_PAGES,
+    blocks,
+    documented_tables,
+    run_samples,
+    sample_address,
+    sql_queries,
+    suite_files,
+)
+from tests.helpers import REPO_ROOT
+
+pytest_plugins = ["pytester"]
 
 
 def _jobs(db_url: str) -> list[tuple[str, str, str]]:
@@ -66,13 +83,15 @@ def test_schema_reference_describes_every_table_and_column_the_migrations_create
     assert documented_tables("reference/schema.md") == tables
 
 
-def test_schema_reference_queries_run_and_count_a_message(db_url: str) -> None:
-    queries = [b.text for b in blocks("reference/schema.md", "sql")]
+def test_sql_queries_of_every_page_run_and_the_schema_references_count_a_message(
+    db_url: str,
+) -> None:
+    queries = {(b.page, b.line): b.text for page in PAGES for b in sql_queries(page)}
     assert queries
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("INSERT INTO pgskip.jobs (queue, payload) VALUES ('emails', '{}')")
-        results = [conn.execute(query).fetchall() for query in queries]
-    by_status = results[0]
+        results = {where: conn.execute(query).fetchall() for where, query in queries.items()}
+    by_status = results[("reference/schema.md", blocks("reference/schema.md", "sql")[0].line)]
     assert [(queue, status, count) for queue, status, count, _oldest in by_status] == [
         ("emails", "pending", 1)
     ]
@@ -91,3 +110,100 @@ def test_bulk_guide_writes_every_message_of_each_call(db_url: str) -> None:
         ("celery", "proj.ship", "(11,)"),
     ]
     assert [q for q, _t, _a in jobs[5:]] == ["work"] * 102
+
+
+def test_transactional_enqueue_guide_writes_a_job_per_committed_order_and_call(
+    db_url: str,
+) -> None:
+    with run_samples("transactional-enqueue.md", sample_address(db_url)) as run:
+        assert "proj" in run.modules
+
+    orders = _orders(db_url, "orders")
+    assert list(orders) == ["alice", "bob", "carol", "dave"]
+    task = "proj.send_invoice_email"
+    assert _jobs(db_url) == [
+        ("celery", task, f"({orders['alice']},)"),  # psycopg 3
+        ("celery", task, f"({orders['bob']},)"),  # psycopg2
+        ("celery", task, f"({orders['carol']},)"),  # SQLAlchemy Session
+        ("billing", task, f"({orders['dave']},)"),  # a signature, with options
+        ("celery", "billing.send_invoice", f"({orders['dave']},)"),  # send_task_in
+    ]
+
+
+def test_periodic_tasks_guides_schedule_is_stored_by_beat_sync(db_url: str) -> None:
+    from celery import Celery
+
+    from kombu_pgskip.periodic import beat_sync, list_entries
+
+    with run_samples("periodic-tasks.md", sample_address(db_url)) as run:
+        app = Celery("proj", set_as_current=False)
+        app.config_from_object(run.modules["celeryconfig"])
+        try:
+            assert app.conf.broker_url == db_url.replace("postgresql://", "pgskip://", 1)
+            result = beat_sync(app, db_url, "pgskip", use_cron=False)
+        finally:
+            app.close()
+
+    # What the page shows beat-sync printing, but the next run's time.
+    shown = [
+        line.split("; next run")[0]
+        for line in blocks("periodic-tasks.md", "console")[0].text.splitlines()
+        if line.startswith("+ ")
+    ]
+    assert [str(change).split("; next run")[0] for change in result.changes] == shown
+
+    entries = {e.name: e for e in list_entries(db_url, "pgskip")}
+    assert sorted(entries) == ["celery.backend_cleanup", "nightly-billing", "refresh-cache"]
+    assert (entries["nightly-billing"].task, entries["nightly-billing"].queues) == (
+        "billing.run",
+        ["celery"],
+    )
+    assert (entries["refresh-cache"].task, entries["refresh-cache"].queues) == (
+        "cache.refresh",
+        ["fast"],
+    )
+    assert {e.timezone for e in entries.values()} == {"Europe/Berlin"}
+
+
+def test_metrics_guides_collector_reports_the_pending_message(db_url: str) -> None:
+    from prometheus_client import REGISTRY
+
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO pgskip.jobs (queue, payload) VALUES ('emails', '{}')")
+    with run_samples("metrics.md", sample_address(db_url)) as run:
+        collector = run.namespace["collector"]
+        try:
+            assert REGISTRY.get_sample_value("pgskip_up") == 1
+            assert REGISTRY.get_sample_value("pgskip_pending_messages", {"queue": "emails"}) == 1
+        finally:
+            REGISTRY.unregister(collector)
+            collector.close()
+
+
+def _plugin_args(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Load kombu-pgskip's pytest plugin in the subprocess as tests/integration/
+    test_pytest_plugin.py does: by its entry point when installed, else from the source tree."""
+    points = importlib.metadata.entry_points(group="pytest11")
+    if any(p.value == "_kombu_pgskip_pytest" for p in points):
+        return []
+    paths = [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+    return ["-p", "_kombu_pgskip_pytest"]
+
+
+@pytest.mark.parametrize("page", PYTEST_SUITE_PAGES)
+def test_testing_guides_suite_passes_on_the_session_server(
+    page: str, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, pg_server_dsn: str
+) -> None:
+    """The guide's files, as a suite of their own, with the plugin on this session's server
+    (``PGSKIP_TEST_DSN``): every test passes."""
+    files = suite_files(page)
+    monkeypatch.setenv("PGSKIP_TEST_DSN", pg_server_dsn)
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(**files)
+    tests = sum(text.count("\ndef test_") for text in files.values())
+    result = pytester.runpytest_subprocess(
+        *_plugin_args(monkeypatch), "-p", "no:cacheprovider", timeout=240
+    )
+    assert tests > 0
+    result.assert_outcomes(passed=tests)

@@ -31,12 +31,18 @@ from kombu_pgskip.options import Options
 from kombu_pgskip.transport import Transport
 from tests.docs_support import (
     DOCS,
-    NEW_PAGES,
+    PAGES,
     PURE_SAMPLE_PAGES,
+    PYTEST_SUITE_PAGES,
     SAMPLE_PAGES,
+    SAMPLES_RUN_ELSEWHERE,
     blocks,
+    misplaced_command_lines,
     pgskip_command_lines,
     run_samples,
+    sql_queries,
+    sql_statements,
+    suite_files,
 )
 from tests.helpers import REPO_ROOT
 
@@ -123,7 +129,7 @@ def test_cli_reference_names_every_command_option_and_argument() -> None:
             assert re.search(rf"`{re.escape(option)}[ `]", text), f"{name}: {option}"
 
 
-@pytest.mark.parametrize("page", NEW_PAGES)
+@pytest.mark.parametrize("page", [p for p in PAGES if pgskip_command_lines(p)])
 def test_pgskip_command_lines_of_the_page_parse(page: str) -> None:
     for line, args in pgskip_command_lines(page):
         name, rest = args[0], args[1:]
@@ -175,9 +181,43 @@ def test_api_reference_renders_every_public_name_and_exception() -> None:
     assert [name for name, obj in public.items() if id(obj) not in rendered] == []
 
 
-def test_every_new_page_with_python_samples_has_them_run() -> None:
-    with_samples = {page for page in NEW_PAGES if blocks(page, "python")}
-    assert with_samples == set(SAMPLE_PAGES)
+def test_pgskip_command_lines_are_in_console_blocks_only() -> None:
+    misplaced = [
+        (page, line, text) for page in PAGES for line, text in misplaced_command_lines(page)
+    ]
+    assert misplaced == []
+
+
+def test_every_page_with_python_samples_has_them_run() -> None:
+    with_samples = {page for page in PAGES if blocks(page, "python")}
+    run = [*SAMPLE_PAGES, *PYTEST_SUITE_PAGES, *SAMPLES_RUN_ELSEWHERE]
+    assert sorted(run) == sorted(set(run))  # each page is run one way
+    assert with_samples == set(run)
+    for page in PYTEST_SUITE_PAGES:
+        assert suite_files(page)  # every block is a file of the suite
+    for page, test in SAMPLES_RUN_ELSEWHERE.items():
+        assert f"docs/{page}" in (REPO_ROOT / test).read_text(encoding="utf-8"), (page, test)
+
+
+def test_every_sql_block_is_queries_or_an_operators_statements() -> None:
+    """The queries run (test_docs_samples.py); the other blocks hold what an operator runs as
+    a superuser or the owner, which the tests do not run (sql_queries refuses a mix)."""
+    operator = ("CREATE", "ALTER", "DROP", "GRANT", "REVOKE", "COMMENT")
+    queries = {(b.page, b.line) for page in PAGES for b in sql_queries(page)}
+    assert ("reference/schema.md", blocks("reference/schema.md", "sql")[0].line) in queries
+    for page in PAGES:
+        for block in blocks(page, "sql"):
+            if (page, block.line) not in queries:
+                words = [s.split(None, 1)[0].upper() for s in sql_statements(block.text)]
+                assert set(words) <= set(operator), (page, block.line, words)
+
+
+def test_security_guides_grants_are_what_pgskip_grant_runs() -> None:
+    from kombu_pgskip.grants import grant_statements
+
+    shown = [b.text for b in blocks("security.md", "sql") if b.text.startswith("GRANT CONNECT")]
+    grants = grant_statements("app", "pgskip", workers=["app_worker"], publishers=["app_web"])
+    assert shown == ["".join(f"{grant.text()};\n" for grant in grants)]
 
 
 @pytest.mark.parametrize("page", PURE_SAMPLE_PAGES)
