@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import psycopg
 import pytest
@@ -74,6 +74,27 @@ def test_countdown_waits_in_the_database_and_runs_on_time(
         ).fetchone()  # type: ignore[misc]
     delay = (started - sent).total_seconds()
     assert 5.9 <= delay <= 7.5, delay
+
+
+def test_stored_countdowns_start_at_their_eta_not_at_the_next_poll(
+    broker_url: str, db_url: str, publisher: Celery
+) -> None:
+    # Polls 4 s apart and ETAs 6 s apart: each ETA after the first falls due more than a poll
+    # after the promotion before it, so one promoted by the next poll (or a sweep) instead of at
+    # its due time would start up to 4 s late.
+    slow_poll = {"PGSKIP_OPT_POLLING_INTERVAL": "4", "PGSKIP_OPT_SWEEP_INTERVAL": "30"}
+    with worker(broker_url, extra_env=slow_poll):
+        etas = {}
+        for key, countdown in (("eta-a", 2), ("eta-b", 8), ("eta-c", 14)):
+            etas[key] = datetime.now(timezone.utc) + timedelta(seconds=countdown)
+            publisher.send_task("taskapp.record", args=(key,), eta=etas[key])
+        wait_until(lambda: all(finished(db_url)[k] == 1 for k in etas), 30, "the countdowns")
+    with psycopg.connect(db_url) as conn:
+        started = dict(
+            conn.execute("SELECT key, at FROM test_runs WHERE event = 'start'").fetchall()
+        )
+    late = {key: (started[key] - eta).total_seconds() for key, eta in etas.items()}
+    assert all(-0.05 <= s < 1.0 for s in late.values()), late
 
 
 def test_acks_late_task_of_a_killed_worker_runs_again_elsewhere(
