@@ -5,9 +5,6 @@ migrations build."""
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
-
 import psycopg
 import pytest
 
@@ -21,7 +18,6 @@ from tests.docs_support import (
     sql_queries,
     suite_files,
 )
-from tests.helpers import REPO_ROOT
 
 pytest_plugins = ["pytester"]
 
@@ -180,17 +176,6 @@ def test_metrics_guides_collector_reports_the_pending_message(db_url: str) -> No
             collector.close()
 
 
-def _plugin_args(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Load kombu-pgskip's pytest plugin in the subprocess as tests/integration/
-    test_pytest_plugin.py does: by its entry point when installed, else from the source tree."""
-    points = importlib.metadata.entry_points(group="pytest11")
-    if any(p.value == "_kombu_pgskip_pytest" for p in points):
-        return []
-    paths = [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
-    return ["-p", "_kombu_pgskip_pytest"]
-
-
 @pytest.mark.parametrize("page", PYTEST_SUITE_PAGES)
 def test_testing_guides_suite_passes_on_the_session_server(
     page: str, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, pg_server_dsn: str
@@ -202,8 +187,6 @@ def test_testing_guides_suite_passes_on_the_session_server(
     pytester.makeini("[pytest]\n")
     pytester.makepyfile(**files)
     tests = sum(text.count("\ndef test_") for text in files.values())
-    result = pytester.runpytest_subprocess(
-        *_plugin_args(monkeypatch), "-p", "no:cacheprovider", timeout=240
-    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=240)
     assert tests > 0
     result.assert_outcomes(passed=tests)

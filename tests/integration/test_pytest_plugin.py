@@ -4,9 +4,7 @@ plugin starts itself and once on the session's server through ``PGSKIP_TEST_DSN`
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-import os
 import subprocess
 import sys
 from urllib.parse import urlsplit
@@ -162,17 +160,6 @@ def test_databases_are_made_on_the_server_named(pgskip_server, pgskip_db_url):
 """
 
 
-def _plugin_args(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Load the plugin in the subprocess: through its entry point once the package declares
-    one, else by module name from the source tree."""
-    points = importlib.metadata.entry_points(group="pytest11")
-    if any(p.value == "_kombu_pgskip_pytest" for p in points):
-        return []
-    paths = [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
-    return ["-p", "_kombu_pgskip_pytest"]
-
-
 def _suite(pytester: pytest.Pytester, **files: str) -> None:
     pytester.makeini(
         """
@@ -206,7 +193,7 @@ def test_an_application_suite_enqueues_and_runs_a_worker_on_the_embedded_cluster
 ) -> None:
     monkeypatch.delenv("PGSKIP_TEST_DSN", raising=False)
     _suite(pytester, test_enqueue=ENQUEUE, test_worker=WORKER, test_pg_cron=PG_CRON)
-    result = pytester.runpytest_subprocess(*_plugin_args(monkeypatch), "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=6)
     # Loading the plugin imported neither kombu-pgskip nor psycopg: nothing started before a
     # test asked for a fixture.
@@ -220,9 +207,7 @@ def test_pgskip_test_dsn_makes_the_databases_on_that_server_and_keep_leaves_them
     monkeypatch.setenv("PGSKIP_TEST_DSN", pg_server_dsn)
     monkeypatch.setenv("KEPT_LOG", str(kept_log))
     _suite(pytester, test_given=ON_THE_GIVEN_SERVER)
-    result = pytester.runpytest_subprocess(
-        *_plugin_args(monkeypatch), "-p", "no:cacheprovider", "--pgskip-keep"
-    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--pgskip-keep")
     result.assert_outcomes(passed=1)
     dbname = kept_log.read_text()
     result.stdout.fnmatch_lines(
