@@ -12,11 +12,13 @@ from __future__ import annotations
 from kombu.transport import TRANSPORT_ALIASES
 
 from .bulk import apply_many, apply_many_in, batch, publish_many
+from .exactly_once import completing
 from .exceptions import (
     ConfigurationError,
     ConnectionClosed,
     ConnectionFailed,
     ConnectionInAutocommit,
+    DeliveryLost,
     InvalidQueueName,
     InvalidURL,
     MessageTooLarge,
@@ -58,6 +60,7 @@ __all__ = [
     "ConnectionClosed",
     "ConnectionFailed",
     "ConnectionInAutocommit",
+    "DeliveryLost",
     "InvalidQueueName",
     "InvalidURL",
     "MessageTooLarge",
@@ -77,6 +80,7 @@ __all__ = [
     "apply_many",
     "apply_many_in",
     "batch",
+    "completing",
     "mask_url",
     "migrate",
     "publish_many",

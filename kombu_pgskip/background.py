@@ -9,7 +9,8 @@ its own:
   housekeeping statement closes it (which would release the lock);
 * the **housekeeping connection** runs what comes after each renewal: the acks consumers left
   waiting, the ``x-expires`` clocks of their queues, the sweep every ``sweep_interval``
-  (:mod:`~kombu_pgskip.sweeper`) and the check of the xmin horizon
+  (:mod:`~kombu_pgskip.sweeper`), what is paused among their queues
+  (:class:`~kombu_pgskip.pausing.PauseWatch`) and the check of the xmin horizon
   (:class:`~kombu_pgskip.health.HorizonMonitor`, throttled by itself). Each of its statements
   waits for locks and runs only within a budget of half the renewal interval, so the next
   renewal is never late by more than that.
@@ -47,6 +48,7 @@ from psycopg import pq
 
 from .health import CronRunMonitor, HorizonMonitor
 from .leases import Leaseholder, LeaseRenewal
+from .pausing import PauseWatch
 from .store import LOCK_GRACE_S, Store
 from .sweeper import MIN_STATEMENT_S, Sweeper
 
@@ -92,6 +94,7 @@ class Background(threading.Thread):
         self.sweeper = Sweeper(interval=options.sweep_interval, max_attempts=options.max_attempts)
         self.horizon = HorizonMonitor(self.store, options.xmin_horizon_warning)
         self.cron_runs = CronRunMonitor(url, options.schema)
+        self.pauses = PauseWatch()
         #: How long housekeeping may take after a renewal.
         self.budget = self.leases.interval / 2.0
         self._failures = 0
@@ -115,6 +118,7 @@ class Background(threading.Thread):
                     self._housekeep("ack flush", self._flush_acks, deadline)
                     if alive:
                         self._housekeep("marking queues used", self._mark_queues(alive), deadline)
+                        self._housekeep("paused queues", self._check_pauses(alive), deadline)
                 if now >= sweep_at:
                     if first_sweep:
                         first_sweep = False
@@ -236,6 +240,13 @@ class Background(threading.Thread):
                 self.store.mark_queues_used(consumers)
 
         return mark
+
+    def _check_pauses(self, consumers: list[uuid.UUID]) -> Callable[[float], object]:
+        def check(deadline: float) -> None:
+            with self.store.bounded(deadline - time.monotonic()):
+                self.pauses.check(self.store, consumers)
+
+        return check
 
     def _sweep(self, deadline: float) -> None:
         self._suspects = self.sweeper(self.store, deadline=deadline)

@@ -131,12 +131,14 @@ def do_status(target: Target, as_json: bool = False) -> None:
         store = Store(target.url, schema=target.schema)
         try:
             rows = store.queue_stats()
+            paused = store.paused()
         finally:
             store.close()
         oldest, current = schema_window(target.url, target.schema)
     except exceptions.PgSkipError as exc:
         _fail(exc)
         return
+    paused_names = {str(p["name"]) for p in paused}
     if as_json:
         _echo_json(
             {
@@ -158,8 +160,19 @@ def do_status(target: Target, as_json: bool = False) -> None:
                             else float(r["oldest_pending_age"])
                         ),
                         "completed_last_minute": int(r["completed_last_minute"]),
+                        "paused": str(r["queue"]) in paused_names,
                     }
                     for r in rows
+                ],
+                "paused": [
+                    {
+                        "queue": str(p["name"]),
+                        "paused_at": _utc(p["paused_at"]),
+                        "paused_by": str(p["paused_by"]),
+                        "reason": p["reason"],
+                        "pending": int(p["pending"]),
+                    }
+                    for p in paused
                 ],
             }
         )
@@ -178,6 +191,12 @@ def do_status(target: Target, as_json: bool = False) -> None:
         for r in rows
     ]
     _table(headers, table, "(no messages)")
+    for p in paused:
+        why = f": {p['reason']}" if p["reason"] else ""
+        click.echo(
+            f"paused: {p['name']!r} since {_fmt_time(p['paused_at'])} by {p['paused_by']}{why} "
+            f"({plural(int(p['pending']), 'pending message')}; `pgskip resume {p['name']}`)"
+        )
     span = f"{oldest:04d}" if oldest >= current else f"{oldest:04d} to {current:04d}"
     click.echo(
         f"schema {target.schema!r} at version {current:04d}: code built for schema {span} runs "
@@ -228,6 +247,87 @@ def do_queue_args(
             old = json.dumps(before[key]) if key in before else "none"
             new = json.dumps(after[key]) if key in after else "none"
             click.echo(f"queue {queue!r}: {key} {old} -> {new}")
+
+
+def _owner_only(exc: exceptions.PermissionDenied, target: Target, what: str) -> None:
+    """A permission error of a command that writes what only the schema's owner writes."""
+    _fail(
+        exceptions.PermissionDenied(
+            f"{what} writes {target.schema}.paused_queues, which only the schema's owner (and "
+            f"roles it grants INSERT, DELETE on it) may write: run it as the owner (--url or "
+            f"PGSKIP_OWNER_URL). {exc}"
+        )
+    )
+
+
+def do_pause(target: Target, queues: Sequence[str], reason: str | None) -> None:
+    try:
+        store = Store(target.url, schema=target.schema)
+        try:
+            paused = store.pause(queues, reason)
+            pending = {str(r["name"]): int(r["pending"]) for r in store.paused()}
+        finally:
+            store.close()
+    except exceptions.PermissionDenied as exc:
+        _owner_only(exc, target, "pausing")
+        return
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    for queue in sorted(set(queues)):
+        state = "paused" if queue in paused else "already paused"
+        n = pending.get(queue, 0)
+        click.echo(
+            f"queue {queue!r}: {state}; {plural(n, 'pending message')} "
+            f"{'waits' if n == 1 else 'wait'} until `pgskip resume {queue}`"
+        )
+
+
+def do_resume(target: Target, queues: Sequence[str], resume_all: bool) -> None:
+    try:
+        store = Store(target.url, schema=target.schema)
+        try:
+            names = [str(r["name"]) for r in store.paused()] if resume_all else list(queues)
+            resumed = store.resume(names) if names else []
+        finally:
+            store.close()
+    except exceptions.PermissionDenied as exc:
+        _owner_only(exc, target, "resuming")
+        return
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    if resume_all and not names:
+        click.echo("no queue is paused")
+    for queue in sorted(set(names)):
+        click.echo(f"queue {queue!r}: {'resumed' if queue in resumed else 'was not paused'}")
+
+
+def do_revoke(target: Target, task_ids: Sequence[str], app: Any = None) -> None:
+    from .control import revoke_waiting
+
+    try:
+        store = Store(target.url, schema=target.schema)
+        try:
+            marked = set(
+                revoke_waiting(store, task_ids, backend=app.backend if app is not None else None)
+            )
+        finally:
+            store.close()
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    if app is not None:  # the memory of the workers running now, as Celery's revoke
+        app.control.revoke(list(task_ids))
+    told = "the workers running now were told" if app is not None else "no worker was told"
+    for task_id in dict.fromkeys(task_ids):
+        if task_id in marked:
+            click.echo(f"task {task_id}: revoked; its waiting message will never be delivered")
+        else:
+            click.echo(
+                f"task {task_id}: no waiting message (running, held by a worker, finished or "
+                f"unknown); {told}"
+            )
 
 
 def do_doctor(
@@ -849,14 +949,18 @@ def status_cmd(ctx: click.Context, as_json: bool, url: str | None, schema: str |
     """Per-queue counts, and the schema's version.
 
     A table per queue: pending, running, scheduled, failed, oldest pending, done per minute;
-    then the schema's version and the code versions that run against it.
+    the paused queues (`pgskip pause`); then the schema's version and the code versions that
+    run against it.
 
     \b
     --json prints:
-    {"schema": "pgskip", "schema_version": 18, "oldest_compatible_version": 16,
-     "package_schema_version": 18, "version": "0.1.0",
+    {"schema": "pgskip", "schema_version": 22, "oldest_compatible_version": 19,
+     "package_schema_version": 22, "version": "0.1.0",
      "queues": [{"queue": "default", "pending": 3, "running": 1, "scheduled": 0,
-                 "failed": 0, "oldest_pending_age": 2.5, "completed_last_minute": 40}]}
+                 "failed": 0, "oldest_pending_age": 2.5, "completed_last_minute": 40,
+                 "paused": false}],
+     "paused": [{"queue": "reports", "paused_at": "2026-01-31T12:00:00+00:00",
+                 "paused_by": "app_owner", "reason": "deploy", "pending": 120}]}
     """
     do_status(_target(ctx, url, schema), as_json)
 
@@ -959,6 +1063,48 @@ def queue_args_cmd(
     x-expires, x-message-ttl, x-max-priority, as the schema's owner: declarations cannot change
     them."""
     do_queue_args(_target(ctx, url, schema), queue, assignments, unset)
+
+
+@pgskip.command(name="pause")
+@click.argument("queues", nargs=-1, required=True)
+@click.option("--reason", default=None, help="Why, shown by `pgskip status`.")
+@_owner_url_option
+@_schema_option
+@click.pass_context
+def pause_cmd(
+    ctx: click.Context,
+    queues: tuple[str, ...],
+    reason: str | None,
+    url: str | None,
+    schema: str | None,
+) -> None:
+    """Pause queues for the whole fleet.
+
+    As the schema's owner. No worker takes their messages until `pgskip resume`: they stay
+    pending, publishes and countdowns go on, tasks already running finish. Kept in the
+    database: workers started later honour it too."""
+    do_pause(_target(ctx, url, schema), queues, reason)
+
+
+@pgskip.command(name="resume")
+@click.argument("queues", nargs=-1)
+@click.option("--all", "resume_all", is_flag=True, help="Resume every paused queue.")
+@_owner_url_option
+@_schema_option
+@click.pass_context
+def resume_cmd(
+    ctx: click.Context,
+    queues: tuple[str, ...],
+    resume_all: bool,
+    url: str | None,
+    schema: str | None,
+) -> None:
+    """Resume paused queues.
+
+    As the schema's owner; their workers fetch at once."""
+    if bool(queues) == resume_all:
+        raise click.UsageError("name the queues to resume, or pass --all", ctx)
+    do_resume(_target(ctx, url, schema), queues, resume_all)
 
 
 @pgskip.command(name="beat-sync", cls=AppCommand)
@@ -1201,6 +1347,24 @@ def failed_cmd(
     """
     target = _target(ctx, url, schema)
     do_failed(target, _failed_filter(queue, task, older_than, limit or 100), full, as_json)
+
+
+@pgskip.command(name="revoke")
+@click.argument("task_ids", nargs=-1, required=True)
+@_url_option
+@_schema_option
+@click.pass_context
+def revoke_cmd(
+    ctx: click.Context, task_ids: tuple[str, ...], url: str | None, schema: str | None
+) -> None:
+    """Revoke tasks for good, in the database.
+
+    Whatever workers run or start later: their messages still waiting in the database
+    (pending, or scheduled for a later ETA) are marked failed and never delivered (`pgskip
+    failed` lists them, `retry-failed` brings them back). Under `celery -A proj` the result
+    backend stores REVOKED for them and the workers running now are told, as by `celery
+    control revoke`, which also lasts on this broker while a worker runs."""
+    do_revoke(_target(ctx, url, schema), task_ids, _app_or_none(ctx))
 
 
 @pgskip.command(name="retry-failed")

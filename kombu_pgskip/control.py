@@ -1,4 +1,5 @@
-"""Celery's remote control on the pgskip broker: ``inspect scheduled`` lists the stored ETAs too.
+"""Celery's remote control on the pgskip broker: ``inspect scheduled`` lists the stored ETAs
+too, and ``control revoke`` lasts.
 
 A message whose ETA is more than ``eta_threshold`` seconds away waits in the database as
 ``scheduled`` until it is due (:func:`kombu_pgskip.envelope.to_row`), so no worker holds it in
@@ -30,9 +31,22 @@ The statement runs in the worker's event loop, bounded to :data:`QUERY_SECONDS`:
 fails or takes longer, the reply lists the ETAs held in memory only and the worker logs a
 WARNING saying why.
 
-:func:`install` extends the command; the transport calls it whenever it is created, and it
+``revoke`` (``celery -A proj control revoke ID``, ``app.control.revoke(id)``, Flower) does
+what Celery's does, which reaches only the memory of the workers running now: a worker that
+starts later would run a message still waiting in the queue. It then marks the messages of
+those task ids still waiting in the database (``pending``, or ``scheduled`` for a later ETA)
+``failed`` with the error :data:`REVOKED_ERROR` (``sql/queues.sql``, ``revoke_waiting``), so
+that no worker takes them, whatever starts later; ``celery -A proj pgskip failed`` lists
+them and ``retry-failed`` brings them back. Every worker receives the broadcast; the first to
+mark a message stores ``REVOKED`` for its task in the result backend (as Celery's worker does
+when it discards a revoked task) and adds to its reply how many it marked. A message already
+delivered (running, or held in a worker's memory) is Celery's to discard, as on any broker.
+With no worker running, ``celery -A proj pgskip revoke ID`` does the same
+(:func:`revoke_waiting`).
+
+:func:`install` extends both commands; the transport calls it whenever it is created, and it
 acts where Celery's worker control module is loaded (a worker, the ``celery`` command). A
-worker whose broker is not pgskip is answered by Celery's command unchanged.
+worker whose broker is not pgskip is answered by Celery's commands unchanged.
 """
 
 from __future__ import annotations
@@ -58,7 +72,10 @@ QUERY_SECONDS = 0.5
 #: ``call_at(eta, ..., priority=6)``), which its ``scheduled`` command reports.
 ETA_PRIORITY = 6
 
-_EXTENDED = "_pgskip_lists_stored_etas"
+#: The error of a message marked revoked while it waited (``pgskip failed`` shows it).
+REVOKED_ERROR = "revoked before delivery (celery control revoke / pgskip revoke)"
+
+_EXTENDED = "_pgskip_extended"
 _lock = threading.Lock()
 
 
@@ -73,16 +90,18 @@ def install() -> bool:
         return False
     with _lock:
         panel: Any = getattr(control, "Panel", None)
-        try:
-            command = panel.data["scheduled"]
-            options = panel.meta["scheduled"]._asdict()
-        except (AttributeError, KeyError, TypeError):
-            return False  # a Celery whose commands are kept otherwise: leave them as they are
-        if getattr(command, _EXTENDED, False):
-            return True
-        # Registered as Celery registers its own commands: same name, alias and help.
-        panel.register(_extended(command), name="scheduled", **options)
-        return True
+        extended = True
+        for name, extend in (("scheduled", _extended), ("revoke", _lasting)):
+            try:
+                command = panel.data[name]
+                options = panel.meta[name]._asdict()
+            except (AttributeError, KeyError, TypeError):
+                extended = False  # a Celery that keeps its commands otherwise: leave them be
+                continue
+            if not getattr(command, _EXTENDED, False):
+                # Registered as Celery registers its own commands: same name, alias and help.
+                panel.register(extend(command), name=name, **options)
+        return extended
 
 
 def _extended(celery_scheduled: Callable[..., Any]) -> Callable[..., list[dict[str, Any]]]:
@@ -109,6 +128,75 @@ def _extended(celery_scheduled: Callable[..., Any]) -> Callable[..., list[dict[s
     scheduled.__doc__ = celery_scheduled.__doc__
     setattr(scheduled, _EXTENDED, True)
     return scheduled
+
+
+def _lasting(celery_revoke: Callable[..., Any]) -> Callable[..., Any]:
+    def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None,
+               **kwargs: Any) -> Any:  # fmt: skip
+        reply = celery_revoke(state, task_id, terminate=terminate, signal=signal, **kwargs)
+        channel = task_channel(state)
+        if channel is None:
+            return reply
+        ids = [str(t) for t in (task_id if isinstance(task_id, (list, tuple, set)) else [task_id])]
+        try:
+            with channel.store.bounded(QUERY_SECONDS):
+                marked = revoke_waiting(channel.store, ids, backend=state.app.backend)
+        except Exception as exc:
+            logger.warning(
+                "revoke: could not mark the messages of %s waiting in the database (%s); "
+                "workers running now will not run them, a worker started later might: "
+                "celery -A proj pgskip revoke %s",
+                ", ".join(ids),
+                exc,
+                " ".join(ids),
+                extra={"action": "revoke_failed"},
+            )
+            return reply
+        if marked and isinstance(reply, dict) and isinstance(reply.get("ok"), str):
+            reply = {
+                "ok": f"{reply['ok']}; {len(marked)} waiting in the database marked revoked "
+                "for good (celery -A proj pgskip failed lists them)"
+            }
+        return reply
+
+    revoke.__doc__ = celery_revoke.__doc__
+    setattr(revoke, _EXTENDED, True)
+    return revoke
+
+
+def revoke_waiting(store: Any, task_ids: Collection[str], *, backend: Any = None) -> list[str]:
+    """Mark the messages of ``task_ids`` still waiting in the database (``pending`` or
+    ``scheduled``) ``failed`` as revoked (:data:`REVOKED_ERROR`), and, given a Celery result
+    ``backend``, store ``REVOKED`` for each of their tasks; returns the task ids marked. A
+    message another session is taking at that moment is left to the worker that takes it."""
+    if not task_ids:
+        return []
+    rows = store.execute(
+        "revoke_waiting", {"task_ids": sorted(set(task_ids)), "reason": REVOKED_ERROR}
+    )
+    marked = sorted({str(r[1]) for r in rows if r[1] is not None})
+    for task_id in marked if backend is not None else ():
+        try:
+            backend.mark_as_revoked(task_id, "revoked")
+        except NotImplementedError:  # no result backend
+            break
+        except Exception as exc:
+            logger.warning(
+                "revoke: the message of task %s was marked revoked, but the result backend "
+                "could not store its state (%s)",
+                task_id,
+                exc,
+                extra={"action": "revoke_backend_failed", "task_id": task_id},
+            )
+    for row_id, task_id, name, queue in rows:
+        logger.info(
+            "revoked task %s (%s) waiting in queue %r: marked failed, never delivered",
+            task_id,
+            name,
+            queue,
+            extra={"action": "revoked_waiting", "message_id": row_id, "task_id": task_id},
+        )
+    return marked
 
 
 def parse_limit(limit: object) -> int:

@@ -455,6 +455,12 @@ class UnsupportedCanvas(TransactionalEnqueueError):
     or start the chord after commit."""
 
 
+class DeliveryLost(PgSkipError):
+    """The message this task runs from is no longer this worker's delivery: its lease ran out
+    and another worker took the message, or it was settled. kombu_pgskip.completing() rolls its
+    transaction back, so that the work is done once, by the other delivery."""
+
+
 class _Reraising:
     """Re-raise a psycopg error leaving the block as :meth:`_map` maps it (our own errors
     pass unchanged). A class rather than a ``@contextmanager`` generator: it wraps every

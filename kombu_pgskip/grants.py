@@ -47,6 +47,8 @@ WORKER_PRIVILEGES: tuple[Privilege, ...] = (
     ("bindings", "SELECT, INSERT, DELETE", ()),
     ("consumers", ALL_ROWS, ()),
     ("migrations", "SELECT", ()),
+    # Every fetch skips the paused queues; only the owner pauses and resumes (migration 0021).
+    ("paused_queues", "SELECT", ()),
 )
 #: The columns a publish writes: a publisher cannot insert a message already running under a
 #: consumer, already attempted, or with an id of its choosing.

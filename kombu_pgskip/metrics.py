@@ -13,7 +13,8 @@ read). Register it with any registry::
 or serve it on its own with ``celery -A proj pgskip metrics --port 9808`` (:func:`serve`).
 
 Per queue: pending, scheduled, running and failed messages, the redelivered ones among those
-pending and running, the age of the oldest pending message and the live consumers of the queue.
+pending and running, the age of the oldest pending message, the live consumers of the queue and
+whether it is paused.
 For the schema: the consumers whose lease holds and those whose lease ran out, the database's
 xmin horizon (how old the oldest snapshot that stops vacuum is), the ``jobs`` table's size,
 live and dead row versions and inserted rows, and, where pg_cron is installed and this role may
@@ -110,7 +111,13 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "pgskip_oldest_pending_age_seconds": (
         "gauge",
-        "Seconds since the oldest pending message of the queue became due (0 when none is pending)",
+        "Seconds since the first pending message of the queue took its place in it: its publish"
+        " (a countdown's too: it keeps its place), or its retry (0 when none is pending)",
+        ("queue",),
+    ),
+    "pgskip_queue_paused": (
+        "gauge",
+        "1 while the queue is paused for every worker (pgskip pause), else 0",
         ("queue",),
     ),
     "pgskip_queue_consumers": (
@@ -297,7 +304,8 @@ class PgSkipCollector:
         for status, queue, messages, redelivered, oldest in conn.execute(q["queue_counts"]):
             counts[(str(status), str(queue))] = (int(messages), int(redelivered), oldest)
         declared = [str(r[0]) for r in conn.execute(q["declared_queues"])]
-        queues = sorted({*declared, *(queue for _, queue in counts)})
+        paused = {str(r[0]) for r in conn.execute(q["paused_queues"])}
+        queues = sorted({*declared, *paused, *(queue for _, queue in counts)})
         consumers = {str(r[0]): int(r[1]) for r in conn.execute(q["queue_consumers"])}
 
         by_status = {
@@ -309,6 +317,7 @@ class PgSkipCollector:
         redelivered = _family("pgskip_redelivered_messages")
         oldest = _family("pgskip_oldest_pending_age_seconds")
         queue_consumers = _family("pgskip_queue_consumers")
+        queue_paused = _family("pgskip_queue_paused")
         for queue in queues:
             for status, family in by_status.items():
                 family.add_metric([queue], counts.get((status, queue), (0, 0, None))[0])
@@ -319,7 +328,8 @@ class PgSkipCollector:
             age = counts.get((_PENDING, queue), (0, 0, None))[2]
             oldest.add_metric([queue], 0.0 if age is None else float(age))
             queue_consumers.add_metric([queue], consumers.get(queue, 0))
-        return [*by_status.values(), redelivered, oldest, queue_consumers]
+            queue_paused.add_metric([queue], 1 if queue in paused else 0)
+        return [*by_status.values(), redelivered, oldest, queue_consumers, queue_paused]
 
     def _consumer_families(self, conn: Connection, q: dict[str, Any]) -> list[Metric]:
         row = conn.execute(q["consumer_counts"]).fetchone()

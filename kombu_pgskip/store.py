@@ -774,6 +774,43 @@ class Store:
         )
         return [dict(zip(cols, r, strict=True)) for r in self.execute("queue_stats", {})]
 
+    # -- pausing ---------------------------------------------------------------------------------
+
+    def pause(self, names: Sequence[str], reason: str | None = None) -> list[str]:
+        """Pause queues ``names`` for every worker (migration 0021): from the commit on, no
+        fetch takes their messages until :meth:`resume`; publishes, countdowns and the tasks
+        already running go on. Returns those not paused before, by name. Celery's own
+        remote-control and event queues are refused (workers would stop answering ``celery
+        inspect`` and ``control``): :class:`~kombu_pgskip.exceptions.ConfigurationError`."""
+        for name in names:
+            if is_celery_internal(name):
+                raise exceptions.ConfigurationError(
+                    f"{name!r} is one of Celery's remote-control or event queues: paused, "
+                    "workers would stop answering `celery inspect` and `celery control`; "
+                    "pause the task queues (those of task_queues / -Q) instead"
+                )
+        rows = self.execute("pause", {"names": list(names), "reason": reason})
+        return sorted(str(r[0]) for r in rows)
+
+    def resume(self, names: Sequence[str]) -> list[str]:
+        """Resume paused queues ``names`` and wake their consumers at commit; returns those
+        that were paused, by name."""
+        rows = self.execute("resume", {"names": list(names), "channel": self.channel})
+        return sorted(str(r[0]) for r in rows)
+
+    def paused(self) -> list[dict[str, Any]]:
+        """Every paused queue, by name: name, paused_at, paused_by, reason and its pending
+        messages (``pending``)."""
+        cols = ("name", "paused_at", "paused_by", "reason", "pending")
+        return [dict(zip(cols, r, strict=True)) for r in self.execute("paused", {})]
+
+
+def is_celery_internal(queue: str) -> bool:
+    """Whether ``queue`` is one of Celery's remote-control queues (``<node>.celery.pidbox``,
+    ``celery@host.celery.pidbox``, the ``<uuid>.reply.celery.pidbox`` replies) or event queues
+    (``celeryev.<uuid>``)."""
+    return queue.endswith(".pidbox") or queue.startswith("celeryev.")
+
 
 def fetched_rows(rows: list[tuple[Any, ...]]) -> list[FetchedRow]:
     """Rows of ``fetch`` (or ``ack_fetch`` without its first column and ``urgent``; the payload

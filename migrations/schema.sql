@@ -157,7 +157,8 @@ BEGIN
     -- Same rules as the broker's publish: priority clamped to the queue's x-max-priority,
     -- TTL from the message or the queue.
     FOR inserted IN
-        INSERT INTO jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
+        INSERT INTO jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at,
+                          created_at)
         SELECT msg.value->>'queue',
                LEAST((msg.value->>'priority')::integer, COALESCE(q.max_priority, 255)),
                CASE WHEN due > fired_at THEN 'scheduled' ELSE 'pending' END::job_status,
@@ -168,7 +169,8 @@ BEGIN
                e.task,
                tid,
                GREATEST(due, now())
-                 + make_interval(secs => LEAST((msg.value->>'ttl_ms')::bigint, q.message_ttl) / 1000.0)
+                 + make_interval(secs => LEAST((msg.value->>'ttl_ms')::bigint, q.message_ttl) / 1000.0),
+               CASE WHEN due > fired_at THEN sent ELSE LEAST(sent, now()) END
           FROM jsonb_array_elements(e.messages) AS msg
           LEFT JOIN queues AS q ON q.name = msg.value->>'queue'
         RETURNING jobs.queue, jobs.status, jobs.run_at
@@ -556,12 +558,16 @@ WITH held AS MATERIALIZED (
      LIMIT 10000
        FOR UPDATE OF j SKIP LOCKED
 ), r AS (
+    -- A message whose task finished it in its own transaction (finished_at set while
+    -- running: kombu_pgskip.completing) is completed: its work committed, it never runs again.
     UPDATE jobs
-       SET status = CASE WHEN jobs.attempts >= max_attempts THEN 'failed'
+       SET status = CASE WHEN jobs.finished_at IS NOT NULL THEN 'completed'
+                         WHEN jobs.attempts >= max_attempts THEN 'failed'
                          ELSE 'pending' END::job_status,
-           redelivered = true, locked_by = NULL, locked_at = NULL,
-           finished_at = CASE WHEN jobs.attempts >= max_attempts THEN now() END,
-           last_error = CASE WHEN jobs.attempts >= max_attempts
+           redelivered = jobs.redelivered OR jobs.finished_at IS NULL, locked_by = NULL, locked_at = NULL,
+           finished_at = CASE WHEN jobs.finished_at IS NOT NULL THEN jobs.finished_at
+                              WHEN jobs.attempts >= max_attempts THEN now() END,
+           last_error = CASE WHEN jobs.finished_at IS NULL AND jobs.attempts >= max_attempts
                              THEN 'consumer lost on each of ' || jobs.attempts
                                   || ' deliveries (max_attempts)'
                              ELSE jobs.last_error END
@@ -575,7 +581,8 @@ WITH held AS MATERIALIZED (
      LIMIT 10000
        FOR UPDATE SKIP LOCKED
 ), p AS (
-    UPDATE jobs SET status = 'pending' FROM due WHERE jobs.id = due.id RETURNING jobs.queue
+    UPDATE jobs SET status = 'pending', run_at = LEAST(jobs.run_at, jobs.created_at)
+      FROM due WHERE jobs.id = due.id RETURNING jobs.queue
 ), n AS (
     SELECT pg_notify('pgskip:' || current_schema(), d.queue)
       FROM (SELECT queue FROM r WHERE status = 'pending' UNION SELECT queue FROM p) AS d
@@ -717,6 +724,36 @@ CREATE TABLE pgskip.migrations (
 );
 
 --
+-- Name: paused_queues; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.paused_queues (
+    name text NOT NULL,
+    paused_at timestamp with time zone DEFAULT now() NOT NULL,
+    paused_by text DEFAULT CURRENT_USER NOT NULL,
+    reason text,
+    CONSTRAINT paused_queues_name_check CHECK (((octet_length(name) >= 1) AND (octet_length(name) <= 255)))
+);
+
+--
+-- Name: TABLE paused_queues; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON TABLE pgskip.paused_queues IS 'queues whose messages no fetch takes until resumed (pgskip pause / resume)';
+
+--
+-- Name: COLUMN paused_queues.paused_by; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.paused_queues.paused_by IS 'the role that paused it';
+
+--
+-- Name: COLUMN paused_queues.reason; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.paused_queues.reason IS 'what the operator said when pausing (--reason)';
+
+--
 -- Name: queues; Type: TABLE; Schema: pgskip; Owner: -
 --
 
@@ -784,6 +821,13 @@ ALTER TABLE ONLY pgskip.jobs
 
 ALTER TABLE ONLY pgskip.migrations
     ADD CONSTRAINT migrations_pkey PRIMARY KEY (version);
+
+--
+-- Name: paused_queues paused_queues_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.paused_queues
+    ADD CONSTRAINT paused_queues_pkey PRIMARY KEY (name);
 
 --
 -- Name: queues queues_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -

@@ -70,6 +70,8 @@ SAMPLES_RUN_ELSEWHERE = {
     # Every line of the guide's samples is in the Django project or the shell session that
     # test runs (test_every_line_of_the_guides_python_samples_is_in_what_this_module_runs).
     "django.md": "tests/acceptance/test_django.py",
+    # The guide's task runs in a real worker (test_the_guides_task_charges_once).
+    "exactly-once.md": "tests/acceptance/test_completing.py",
 }
 
 #: Every page of the site (relative to docs/).

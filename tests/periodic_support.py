@@ -106,7 +106,8 @@ def jobs(url: str, task: str | None = None) -> list[dict[str, Any]]:
     with psycopg.connect(url) as conn:
         cur = conn.execute(
             "SELECT id, queue, priority, status::text, run_at, payload, task_name, task_id,"
-            " expires_at FROM pgskip.jobs WHERE %(t)s::text IS NULL OR task_name = %(t)s"
+            " expires_at, created_at FROM pgskip.jobs"
+            " WHERE %(t)s::text IS NULL OR task_name = %(t)s"
             " ORDER BY id",
             {"t": task},
         )

@@ -69,7 +69,7 @@ SELECT b.id, b.priority, b.rn, coalesce(b.next_before >= %(max_bytes)s::bigint, 
  -- then joins the rows to jobs by a nested loop (5 ms instead of 1 for 100 messages).
  WHERE b.past <= 0
 
--- due_row: (fragment, included as {@due_row} after SELECT, within due's scan of queue q) a due pending message of the queue with its stored payload size (and its payload when compressed, which due measures only as far as its budget goes), up to the WHERE clause's end, where the scan's bounds follow
+-- due_row: (fragment, included as {@due_row} after SELECT, within due's scan of queue q) a due pending message of the queue, unless the queue is paused (migration 0021: a one-time filter of the scan, one probe of paused_queues' primary key), with its stored payload size (and its payload when compressed, which due measures only as far as its budget goes), up to the WHERE clause's end, where the scan's bounds follow
 id, queue, priority, run_at, pg_column_size(payload) AS stored,
        CASE WHEN pg_column_compression(payload) IS NOT NULL THEN payload END AS packed
   FROM {schema}.jobs
@@ -77,6 +77,7 @@ id, queue, priority, run_at, pg_column_size(payload) AS stored,
    AND status = 'pending'
    AND run_at <= now()
    AND (expires_at IS NULL OR expires_at > now())
+   AND NOT EXISTS (SELECT FROM {schema}.paused_queues AS pq WHERE pq.name = q.name)
 
 -- take: (fragment, included as {@take} after a CTE named picked) mark the picked rows running under the consumer and stamp this delivery's token; returns what a consumer needs, the due time last (as text, which the consumer's connection reads back exactly: with the priority and id, where its next fetch of the queue may start); the rows are looked up by id (= ANY), which a generic plan, estimating a tenth of the table for an unknown LIMIT, would otherwise hash-join by scanning the whole table
 -- The token (delivery, migration 0013) fences every transition out of this delivery
@@ -117,6 +118,8 @@ SELECT a.n, t.id, t.queue, t.payload, t.redelivered, t.attempts, t.expires_at, t
                                  AND u.status = 'pending'
                                  AND u.run_at <= now()
                                  AND (u.expires_at IS NULL OR u.expires_at > now())
+                                 AND NOT EXISTS (SELECT FROM {schema}.paused_queues AS pq
+                                                  WHERE pq.name = uq.name)
                                ORDER BY u.priority DESC, u.run_at, u.id
                                LIMIT 1) AS w) AS urgent
           FROM acked) AS a
@@ -146,14 +149,17 @@ jobs.id = ANY (%(ids)s::bigint[])
    AND jobs.delivery = (%(deliveries)s::bigint[])[array_position(%(ids)s::bigint[], jobs.id)]
    AND jobs.locked_by = %(consumer)s AND jobs.status = 'running'
 
--- requeue: return delivered messages to pending (fenced by their delivery tokens, as ack), or to failed past max_attempts deliveries
+-- requeue: return delivered messages to pending (fenced by their delivery tokens, as ack), or to failed past max_attempts deliveries; one its task finished in its own transaction (finished_at set: kombu_pgskip.completing, migration 0022) is completed instead, never run again
 WITH r AS (
     UPDATE {schema}.jobs AS jobs
-       SET status = CASE WHEN jobs.attempts >= %(max_attempts)s THEN 'failed'
+       SET status = CASE WHEN jobs.finished_at IS NOT NULL THEN 'completed'
+                         WHEN jobs.attempts >= %(max_attempts)s THEN 'failed'
                          ELSE 'pending' END::{schema}.job_status,
-           redelivered = true, locked_by = NULL, locked_at = NULL,
-           finished_at = CASE WHEN jobs.attempts >= %(max_attempts)s THEN now() END,
-           last_error = CASE WHEN jobs.attempts >= %(max_attempts)s
+           redelivered = jobs.redelivered OR jobs.finished_at IS NULL,
+           locked_by = NULL, locked_at = NULL,
+           finished_at = CASE WHEN jobs.finished_at IS NOT NULL THEN jobs.finished_at
+                              WHEN jobs.attempts >= %(max_attempts)s THEN now() END,
+           last_error = CASE WHEN jobs.finished_at IS NULL AND jobs.attempts >= %(max_attempts)s
                              THEN 'requeued after ' || jobs.attempts || ' deliveries (max_attempts)'
                              ELSE jobs.last_error END
       FROM unnest(%(ids)s::bigint[], %(deliveries)s::bigint[]) AS a(id, delivery)
@@ -166,6 +172,12 @@ WITH r AS (
 )
 SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM r WHERE status = 'failed'),
        (SELECT count(*) FROM n);
+
+-- finish_in_transaction: mark a delivered message done inside its task's own transaction (kombu_pgskip.completing, migration 0022): finished_at set, fenced by its delivery token, while it stays running until the worker's ack (requeue, unregister_consumer and sweep() complete such a message instead of returning it); the row stays locked until that transaction ends; no row when the delivery is no longer that worker's
+UPDATE {schema}.jobs
+   SET finished_at = now()
+ WHERE id = %(id)s AND delivery = %(delivery)s AND status = 'running' AND finished_at IS NULL
+RETURNING id;
 
 -- fail: move delivered messages to failed with a reason (fenced by their delivery tokens, as ack; reject without requeue)
 UPDATE {schema}.jobs AS jobs
@@ -208,7 +220,7 @@ UPDATE {schema}.queues AS q
                      FOR NO KEY UPDATE SKIP LOCKED)
 RETURNING q.name;
 
--- unregister_consumer: a consumer leaves: what it still holds goes back to pending, its row goes
+-- unregister_consumer: a consumer leaves: what it still holds goes back to pending (or is completed, when its task finished it in its own transaction: requeue), its row goes
 WITH c AS (
     DELETE FROM {schema}.consumers WHERE id = %(id)s RETURNING id, queues
 ), used AS (
@@ -218,10 +230,14 @@ WITH c AS (
     RETURNING 1
 ), r AS (
     UPDATE {schema}.jobs
-       SET status = 'pending', redelivered = true, locked_by = NULL, locked_at = NULL
+       SET status = CASE WHEN finished_at IS NULL THEN 'pending'
+                         ELSE 'completed' END::{schema}.job_status,
+           redelivered = redelivered OR finished_at IS NULL, locked_by = NULL, locked_at = NULL
      WHERE locked_by = %(id)s AND status = 'running'
-    RETURNING queue
+    RETURNING queue, status
 ), n AS (
-    SELECT pg_notify(%(channel)s, d.queue) FROM (SELECT DISTINCT queue FROM r) AS d
+    SELECT pg_notify(%(channel)s, d.queue)
+      FROM (SELECT DISTINCT queue FROM r WHERE status = 'pending') AS d
 )
-SELECT (SELECT count(*) FROM c), (SELECT count(*) FROM r), (SELECT count(*) FROM n);
+SELECT (SELECT count(*) FROM c), (SELECT count(*) FROM r WHERE status = 'pending'),
+       (SELECT count(*) FROM n);

@@ -9,7 +9,7 @@ SELECT requeued, failed, consumers_forgotten FROM {schema}.sweep(%(max_attempts)
 -- suspected_consumers: how many consumers a sweep found without their session lock, not yet long enough to be taken for dead (lock_lost_at, migration 0016)
 SELECT count(*) FROM {schema}.consumers WHERE lock_lost_at IS NOT NULL;
 
--- promote_scheduled: make due scheduled messages pending; returns how many, and seconds until the next one
+-- promote_scheduled: make due scheduled messages pending, each in its place in the queue (run_at becomes its publish, created_at, as sweep() does since migration 0020); returns how many, and seconds until the next one
 WITH due AS (
     SELECT id FROM {schema}.jobs
      WHERE status = 'scheduled' AND run_at <= now()
@@ -17,7 +17,7 @@ WITH due AS (
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
 ), p AS (
-    UPDATE {schema}.jobs AS jobs SET status = 'pending'
+    UPDATE {schema}.jobs AS jobs SET status = 'pending', run_at = LEAST(jobs.run_at, jobs.created_at)
       FROM due WHERE jobs.id = due.id
     RETURNING jobs.queue
 ), n AS (

@@ -3,7 +3,7 @@
 -- Every statement runs on each scrape, so each reads only what its partial index covers: the
 -- completed rows, most of a large table, are never read.
 
--- queue_counts: per status (pending, scheduled, running, failed) and queue: messages, how many of them were delivered before (redelivered), and for pending the seconds since the oldest became due (its run_at); each branch reads only the rows of its status through that status's partial index (jobs_dequeue, jobs_scheduled, jobs_running_rows, jobs_failed)
+-- queue_counts: per status (pending, scheduled, running, failed) and queue: messages, how many of them were delivered before (redelivered), and for pending the seconds since the first in delivery order took its place in the queue (its run_at: its publish, a countdown's too since migration 0020, or its retry); each branch reads only the rows of its status through that status's partial index (jobs_dequeue, jobs_scheduled, jobs_running_rows, jobs_failed)
 SELECT 'pending' AS status, queue, count(*) AS messages,
        count(*) FILTER (WHERE redelivered) AS redelivered,
        greatest(extract(epoch FROM now() - min(run_at)), 0)::float8 AS oldest_age
@@ -28,6 +28,9 @@ SELECT 'failed', queue, count(*), 0, NULL
 
 -- declared_queues: the queues declared durable and without auto_delete or x-expires (those a deployment keeps, not Celery's per-worker pidbox and event queues), so that their series read 0 rather than vanish when they are empty
 SELECT name FROM {schema}.queues WHERE NOT auto_delete AND expires IS NULL ORDER BY name;
+
+-- paused_queues: the queues paused for every worker (pgskip pause, migration 0021)
+SELECT name FROM {schema}.paused_queues;
 
 -- consumer_counts: consumers whose lease holds (alive) and consumers whose lease has run out and that no sweep has removed yet (their running messages return to pending at the next sweep)
 SELECT count(*) FILTER (WHERE lease_until > now()),

@@ -61,6 +61,24 @@ WITH d AS (
 )
 SELECT count(*) FROM d;
 
+-- revoke_waiting: mark the waiting (pending or scheduled) messages of the given task ids failed with the error reason, never to be delivered (a revoke that lasts: kombu_pgskip.control); a message another session has locked (being taken) is skipped; returns (id, task_id, task_name, queue) of each marked
+-- Each status is read through its own partial index (jobs_dequeue, jobs_scheduled), so the
+-- cost is that of the waiting rows, never of the completed history (no index on task_id is
+-- kept for this on the path of every message). (A locking clause is not allowed on a UNION's
+-- own branches.)
+UPDATE {schema}.jobs AS j
+   SET status = 'failed', finished_at = now(), last_error = %(reason)s
+ WHERE j.id IN (SELECT p.id FROM (SELECT w.id FROM {schema}.jobs AS w
+                                   WHERE w.status = 'pending'
+                                     AND w.task_id = ANY (%(task_ids)s::text[])
+                                     FOR UPDATE SKIP LOCKED) AS p
+                UNION ALL
+                SELECT s.id FROM (SELECT w.id FROM {schema}.jobs AS w
+                                   WHERE w.status = 'scheduled'
+                                     AND w.task_id = ANY (%(task_ids)s::text[])
+                                     FOR UPDATE SKIP LOCKED) AS s)
+RETURNING j.id, j.task_id, j.task_name, j.queue;
+
 -- size: messages ready for delivery in a queue
 SELECT count(*) FROM {schema}.jobs WHERE queue = %(queue)s AND status = 'pending';
 
@@ -87,6 +105,31 @@ SELECT j.id, j.queue, j.redelivered, j.payload
         LIMIT %(limit)s) AS j
  ORDER BY j.run_at, j.id
  LIMIT %(limit)s;
+
+-- pause: pause the given queues for every worker: no fetch takes their messages until resume (a row each in paused_queues, migration 0021); a queue paused already keeps its row and reason; returns the names newly paused
+INSERT INTO {schema}.paused_queues (name, reason)
+SELECT DISTINCT n.name, %(reason)s::text FROM unnest(%(names)s::text[]) AS n(name)
+    ON CONFLICT (name) DO NOTHING
+RETURNING name;
+
+-- resume: resume the given paused queues and wake their consumers at commit; returns the names that were paused
+WITH r AS (
+    DELETE FROM {schema}.paused_queues WHERE name = ANY (%(names)s::text[]) RETURNING name
+)
+SELECT r.name, pg_notify(%(channel)s, r.name) FROM r;
+
+-- paused: every paused queue, by name: (name, paused_at, paused_by, reason, its pending messages)
+SELECT p.name, p.paused_at, p.paused_by, p.reason,
+       (SELECT count(*) FROM {schema}.jobs AS j WHERE j.queue = p.name AND j.status = 'pending')
+  FROM {schema}.paused_queues AS p
+ ORDER BY p.name;
+
+-- paused_for: the paused queues that the given consumers consume: (name, paused_at, paused_by, reason), by name
+SELECT p.name, p.paused_at, p.paused_by, p.reason
+  FROM {schema}.paused_queues AS p
+ WHERE p.name IN (SELECT unnest(c.queues) FROM {schema}.consumers AS c
+                   WHERE c.id = ANY (%(ids)s::uuid[]))
+ ORDER BY p.name;
 
 -- queue_stats: per-queue counts for operators
 SELECT queue,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
+from celery import Celery
 
 APPS_DIR = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "apps")
 
@@ -37,6 +38,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     run = session.config.stash.get(DEMO_RUN, None)
     if run is not None:
         run.stop()
+
+
+@pytest.fixture
+def publisher(broker_url: str) -> Iterator[Celery]:
+    """A Celery app that only publishes, to the queue ``default``."""
+    app = Celery("publisher", broker=broker_url, set_as_current=False)
+    app.conf.task_default_queue = "default"
+    yield app
+    app.close()
 
 
 @pytest.fixture

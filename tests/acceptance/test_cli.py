@@ -134,8 +134,12 @@ def test_celery_pgskip_doctor_and_queue_args_act_as_the_owner(db_url: str) -> No
 # The commands users run; beat-sync reads app.conf.beat_schedule, so it runs under Celery only.
 COMMANDS = {
     "beat-list", "beat-sync", "cron-remove", "doctor", "failed", "grant", "maintenance",
-    "metrics", "migrate", "purge-failed", "queue-args", "retry-failed", "status", "tick",
+    "metrics", "migrate", "pause", "purge-failed", "queue-args", "resume", "retry-failed",
+    "revoke", "status", "tick",
 }  # fmt: skip
+#: The arguments a command needs before it looks for a URL.
+ARGUMENTS = {"queue-args": ["default"], "pause": ["default"], "resume": ["default"],
+             "revoke": ["an-id"]}  # fmt: skip
 APP_ONLY = {"beat-sync"}
 NOWHERE = "pgskip://postgres@127.0.0.1:1/nowhere"
 
@@ -157,7 +161,7 @@ def test_python_m_offers_the_commands_of_celery_pgskip_but_the_app_only_ones() -
 
 def test_python_m_without_url_is_a_usage_error_naming_url_for_every_command() -> None:
     for name in sorted(COMMANDS - APP_ONLY):
-        result = python_m(name, *(["default"] if name == "queue-args" else []))
+        result = python_m(name, *ARGUMENTS.get(name, []))
         assert result.returncode == 2, (name, result.stdout, result.stderr)
         assert "pass --url (or set $PGSKIP_URL)" in result.stderr, (name, result.stderr)
         assert f"`celery -A proj pgskip {name}`" in result.stderr, (name, result.stderr)

@@ -62,6 +62,12 @@ widget.refresh_from_db()
 from demoapp.tasks import count_widgets
 
 print(widget.name, count_widgets.delay().get(timeout=30))
+
+from demoapp.tasks import rename_widget_once
+
+rename_widget_once.delay(widget.id, "once").get(timeout=30)
+widget.refresh_from_db()
+print(widget.name)
 """
 
 
@@ -179,7 +185,7 @@ def test_a_worker_runs_the_example_tasks_published_from_manage_py_shell(
         worker.kill9()  # its shutdown is not what this test is about
     worker.remove_log()
     # (Django 5.2 first says how many models it imported for the shell.)
-    assert result.stdout.splitlines()[-2:] == ["[5, 20, 6]", "new 1"]
+    assert result.stdout.splitlines()[-3:] == ["[5, 20, 6]", "new 1", "once"]
 
 
 # -- the app's refusals, in this process ----------------------------------------------------------
@@ -267,7 +273,12 @@ def test_every_line_of_the_guides_python_samples_is_in_what_this_module_runs() -
         [
             *(
                 (PROJECT / name).read_text()
-                for name in ("proj/celery.py", "proj/settings.py", "demoapp/tests.py")
+                for name in (
+                    "proj/celery.py",
+                    "proj/settings.py",
+                    "demoapp/tests.py",
+                    "demoapp/tasks.py",
+                )
             ),
             SHELL,
             SETTINGS_WITH_SCHEMA,

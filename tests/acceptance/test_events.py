@@ -25,14 +25,6 @@ pytestmark = pytest.mark.acceptance
 HOST = socket.gethostname()
 
 
-@pytest.fixture
-def publisher(broker_url: str) -> Iterator[Celery]:
-    app = Celery("publisher", broker=broker_url, set_as_current=False)
-    app.conf.task_default_queue = "default"
-    yield app
-    app.close()
-
-
 def event_queues(db_url: str) -> set[str]:
     with psycopg.connect(db_url) as conn:
         rows = conn.execute("SELECT name FROM pgskip.queues WHERE name LIKE 'celeryev.%%'")
@@ -45,9 +37,12 @@ def event_dump(broker_url: str, db_url: str) -> Iterator[Path]:
     out = Path(tempfile.mkstemp(prefix="celery-events-", suffix=".log")[1])
     env = dict(os.environ, PGSKIP_BROKER_URL=broker_url, PYTHONPATH=str(REPO_ROOT))
     with open(out, "wb") as fh:
+        # Ctrl-C reaches it as in a terminal, even when the suite runs as a background job of a
+        # shell, whose children start with SIGINT ignored (and Python then keeps it so).
         dump = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "taskapp", "events", "--dump"],
             cwd=APPS_DIR, env=env, stdout=fh, stderr=subprocess.STDOUT,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
     try:
         # Events sent before the receiver's queue is bound are not kept (as with any broker).
@@ -55,12 +50,18 @@ def event_dump(broker_url: str, db_url: str) -> Iterator[Path]:
         yield out
     finally:
         dump.send_signal(signal.SIGINT)  # as Ctrl-C: the receiver closes its channel
+        stopped = time.monotonic()
         try:
             dump.wait(timeout=15)
         except subprocess.TimeoutExpired:
             dump.kill()
             dump.wait()
+        took = time.monotonic() - stopped
+        tail = out.read_text(errors="replace")[-3000:]
         out.unlink(missing_ok=True)
+    # Ctrl-C stops it promptly, and it leaves by closing its channel (which drops its
+    # auto_delete queue), not killed, whose queue would wait for its x-expires.
+    assert dump.returncode != -signal.SIGKILL, f"Ctrl-C ignored for {took:.1f}s:\n{tail}"
 
 
 def test_celery_events_dump_sees_a_worker_start_beat_run_tasks_and_stop(

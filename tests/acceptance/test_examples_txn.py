@@ -66,4 +66,8 @@ def test_example_commits_one_order_with_its_job_and_the_worker_sends_only_that_i
                 if time.monotonic() > deadline:
                     pytest.fail(f"invoice never sent; worker log:\n{worker.log_text()[-4000:]}")
                 time.sleep(0.05)
-        assert f"invoice for order {orders[0][0]} sent" in worker.log_text()
+        # The task prints after its UPDATE has committed: the line may come a moment later.
+        sent = f"invoice for order {orders[0][0]} sent"
+        while sent not in worker.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sent in worker.log_text()

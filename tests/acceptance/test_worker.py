@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 
 import psycopg
@@ -17,14 +16,6 @@ from tests.helpers import CeleryWorker
 pytestmark = pytest.mark.acceptance
 
 FAST_LEASES = {"PGSKIP_OPT_LEASE_SECONDS": "3", "PGSKIP_OPT_SWEEP_INTERVAL": "1"}
-
-
-@pytest.fixture
-def publisher(broker_url: str) -> Iterator[Celery]:
-    app = Celery("publisher", broker=broker_url, set_as_current=False)
-    app.conf.task_default_queue = "default"
-    yield app
-    app.close()
 
 
 def worker(broker_url: str, **kwargs: object) -> CeleryWorker:
@@ -95,6 +86,30 @@ def test_stored_countdowns_start_at_their_eta_not_at_the_next_poll(
         )
     late = {key: (started[key] - eta).total_seconds() for key, eta in etas.items()}
     assert all(-0.05 <= s < 1.0 for s in late.values()), late
+
+
+def test_a_stored_countdown_behind_a_backlog_starts_before_the_tasks_published_after_it(
+    broker_url: str, db_url: str, publisher: Celery
+) -> None:
+    # A countdown keeps its place in the queue, as with RabbitMQ, where the worker receives it
+    # in publish order and holds it until due: here 10 s of tasks published after it do not
+    # make it wait. Sorted by its ETA instead, it would start after all of them (7 s late).
+    with worker(broker_url, concurrency=1):
+        eta = datetime.now(timezone.utc) + timedelta(seconds=3)
+        publisher.send_task("taskapp.record", args=("eta",), eta=eta)
+        with publisher.producer_or_acquire() as producer:
+            for i in range(40):
+                publisher.send_task("taskapp.record", args=(f"b{i}", 0.25), producer=producer)
+        wait_until(lambda: finished(db_url)["eta"] == 1, 30, "the countdown")
+    with psycopg.connect(db_url) as conn:
+        started = dict(
+            conn.execute("SELECT key, at FROM test_runs WHERE event = 'start'").fetchall()
+        )
+    # The task running at its ETA and the four the worker had prefetched go first: 1.25 s.
+    late = (started["eta"] - eta).total_seconds()
+    assert -0.05 <= late < 2.5, late
+    before = [key for key, at in started.items() if key != "eta" and at < started["eta"]]
+    assert len(before) < 20, before
 
 
 def test_acks_late_task_of_a_killed_worker_runs_again_elsewhere(

@@ -109,3 +109,27 @@ def retry_once(self, key: str) -> str:  # type: ignore[no-untyped-def]
     if self.request.retries == 0:
         raise self.retry()
     return key
+
+
+@app.task(bind=True, name="taskapp.count_once", acks_late=True)
+def count_once(self, key: str, hold: float = 0.0, after: float = 0.0) -> str:  # type: ignore[no-untyped-def]
+    """Adds one to the ``test_counter`` row and records ``key`` in ``test_effects``, in the
+    transaction that also finishes its message (kombu_pgskip.completing), holding it ``hold``
+    seconds; then works ``after`` seconds more before returning (and so before its ack): the
+    effect happens once per message, whatever kills the worker and whenever."""
+    with kombu_pgskip.completing(self) as conn:
+        conn.execute("UPDATE test_counter SET n = n + 1")
+        conn.execute("INSERT INTO test_effects (key) VALUES (%s)", (key,))
+        if hold:
+            time.sleep(hold)
+    if after:
+        time.sleep(after)
+    return key
+
+
+@app.task(bind=True, name="taskapp.count_then_fail", acks_late=True)
+def count_then_fail(self, key: str) -> str:  # type: ignore[no-untyped-def]
+    """As count_once, then raises inside the block: nothing of it commits."""
+    with kombu_pgskip.completing(self) as conn:
+        conn.execute("UPDATE test_counter SET n = n + 1")
+        raise ValueError(f"{key}: the work failed")

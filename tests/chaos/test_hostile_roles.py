@@ -797,3 +797,91 @@ def test_only_the_owner_changes_a_queue_argument_deliberately(tidy: Deployment) 
     assert [(json.loads(stored[0][0]), stored[0][1], stored[0][2])] == [
         ({"x-max-priority": 10}, 10, None)
     ]
+
+
+def test_only_the_owner_pauses_or_resumes_a_queue(tidy: Deployment) -> None:
+    """Pausing stops a queue for the whole fleet: neither a publisher nor a worker may pause
+    one (a denial of service) or resume one the owner paused, by the CLI or by SQL."""
+    with psycopg.connect(tidy.url("owner"), autocommit=True) as conn:
+        conn.execute("INSERT INTO pgskip.paused_queues (name, reason) VALUES ('held', 'audit')")
+    for role in ATTACKERS:
+        for command in (["pause", "celery"], ["resume", "held"]):
+            done = subprocess.run(
+                [sys.executable, "-m", "kombu_pgskip", *command, "--url", tidy.url(role)],
+                cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            assert done.returncode == 1, done.stdout
+            assert "only the schema's owner" in done.stderr, done.stderr
+        with psycopg.connect(tidy.url(role), autocommit=True) as conn:
+            for statement in (
+                "INSERT INTO pgskip.paused_queues (name) VALUES ('celery')",
+                "DELETE FROM pgskip.paused_queues",
+                "UPDATE pgskip.paused_queues SET name = 'celery'",
+                "TRUNCATE pgskip.paused_queues",
+            ):
+                _denied(conn, statement)
+    assert rows(tidy.db_url, "SELECT name, reason FROM pgskip.paused_queues") == [("held", "audit")]
+    # A worker reads it (every fetch does) and still takes the messages of `celery`.
+    store = Store(broker(tidy.url("worker")))
+    try:
+        assert len(store.fetch(["celery", "held"], 3, tidy.consumer)) == 3
+    finally:
+        store.close()
+    done = subprocess.run(
+        [sys.executable, "-m", "kombu_pgskip", "resume", "held", "--url", tidy.url("owner")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "queue 'held': resumed" in done.stdout
+
+
+def test_migration_0021_lets_workers_granted_before_it_read_the_paused_queues(
+    any_pg_server: PgServer, versioned_empty_db_url: str, tmp_path: Any
+) -> None:
+    """Every fetch reads paused_queues: a worker role granted by an older `pgskip grant` keeps
+    fetching after the upgrade, and a publisher role gets nothing new."""
+    require_passwords(any_pg_server)
+    db_url = versioned_empty_db_url
+    dbname = db_url.rsplit("/", 1)[1]
+    for m in (REPO_ROOT / "migrations").glob("00*.sql"):
+        if int(m.name[:4]) <= 20:
+            (tmp_path / m.name).write_bytes(m.read_bytes())
+    with (
+        login_role(any_pg_server.dsn, databases=(dbname,)) as worker,
+        login_role(any_pg_server.dsn, databases=(dbname,)) as publisher,
+    ):
+        migrate(db_url, directory=tmp_path)
+        grants = grant_statements(
+            dbname, "pgskip", workers=[worker.name], publishers=[publisher.name]
+        )
+        apply_grants(db_url, [g for g in grants if "paused_queues" not in g.text()])
+        assert migrate(db_url) == [m.label for m in load_migrations() if m.version > 20]
+        store = Store(broker(worker.url(db_url)))
+        try:
+            store.publish(NewMessage("q", 0, "pending", None, '{"n": 1}', "t", "1", None))
+            consumer = uuid.uuid4()
+            store.register_consumer(consumer, hostname="w", queues=["q"], lease=30)
+            assert len(store.fetch(["q"], 10, consumer)) == 1
+        finally:
+            store.close()
+        privilege = "SELECT has_table_privilege(%s, 'pgskip.paused_queues', 'SELECT')"
+        with psycopg.connect(db_url) as conn:
+            assert conn.execute(privilege, (worker.name,)).fetchone() == (True,)
+            assert conn.execute(privilege, (publisher.name,)).fetchone() == (False,)
+
+
+def test_a_publisher_cannot_revoke_a_waiting_message(tidy: Deployment) -> None:
+    """Revoking marks messages failed: a worker may (it settles messages), a publisher may not."""
+    with psycopg.connect(tidy.url("owner"), autocommit=True) as conn:
+        conn.execute(
+            "UPDATE pgskip.jobs SET task_id = 'victim' WHERE id = (SELECT min(id) FROM"
+            " pgskip.jobs WHERE queue = 'celery' AND status = 'pending')"
+        )
+    before = tidy.snapshot()
+    done = subprocess.run(
+        [sys.executable, "-m", "kombu_pgskip", "revoke", "victim", "--url", tidy.url("publisher")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout
+    assert "lacks a privilege" in done.stderr, done.stderr
+    assert tidy.snapshot() == before

@@ -98,8 +98,10 @@ def test_status_json(db_url: str) -> None:
                 "scheduled": 0,
                 "failed": 1,
                 "completed_last_minute": 0,
+                "paused": False,
             }
         ],
+        "paused": [],
     }
 
 

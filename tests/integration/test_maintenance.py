@@ -64,6 +64,9 @@ def test_sweep_returns_dead_consumers_rows_and_promotes_due_ones(db_url: str) ->
         held = _job(conn, "running", locked_by=alive, attempts=1)
         due = _job(conn, "scheduled", run_in=timedelta(seconds=-1))
         later = _job(conn, "scheduled", run_in=timedelta(hours=1))
+        conn.execute(  # published an hour before its ETA
+            "UPDATE pgskip.jobs SET created_at = run_at - interval '1 hour' WHERE id = %s", (due,)
+        )
         row = conn.execute("SELECT * FROM pgskip.sweep(20)").fetchone()
         assert row == (1, 1, 1, 1)  # requeued, failed, consumers forgotten, promoted
         assert _statuses(conn) == {
@@ -72,6 +75,10 @@ def test_sweep_returns_dead_consumers_rows_and_promotes_due_ones(db_url: str) ->
         }  # fmt: skip
         assert conn.execute(
             "SELECT redelivered FROM pgskip.jobs WHERE id = %s", (lost,)
+        ).fetchone() == (True,)
+        # Promoted to its place in the queue: its publish, not its ETA (migration 0020).
+        assert conn.execute(
+            "SELECT run_at = created_at FROM pgskip.jobs WHERE id = %s", (due,)
         ).fetchone() == (True,)
 
 

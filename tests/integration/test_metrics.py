@@ -101,6 +101,8 @@ def test_collector_counts_each_status_per_queue(db_url: str, collector: PgSkipCo
         conn.execute(
             "INSERT INTO pgskip.queues (name, auto_delete) VALUES ('w1@host.celery.pidbox', true)"
         )
+        # paused before anything declared it: its series are there too
+        conn.execute("INSERT INTO pgskip.paused_queues (name) VALUES ('reports'), ('held')")
     registry = _registry(collector)
 
     assert _value(registry, "pgskip_up") == 1.0
@@ -120,6 +122,10 @@ def test_collector_counts_each_status_per_queue(db_url: str, collector: PgSkipCo
     assert _value(registry, "pgskip_pending_messages", queue="w1@host.celery.pidbox") is None
     assert _value(registry, "pgskip_queue_consumers", queue="emails") == 1
     assert _value(registry, "pgskip_queue_consumers", queue="reports") == 0
+    paused = {q: _value(registry, "pgskip_queue_paused", queue=q) for q in ("emails", "reports")}
+    assert paused == {"emails": 0, "reports": 1}
+    assert _value(registry, "pgskip_pending_messages", queue="held") == 0
+    assert _value(registry, "pgskip_queue_paused", queue="held") == 1
     assert _value(registry, "pgskip_consumers_alive") == 1
     assert _value(registry, "pgskip_consumers_lease_expired") == 1
     size = _value(registry, "pgskip_jobs_table_size_bytes")

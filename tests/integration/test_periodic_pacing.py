@@ -56,6 +56,9 @@ def test_runs_keep_their_cadence_from_the_sync_on(db_url: str, synced: datetime)
     rows = jobs(db_url)
     assert len(rows) == len(hello) + 4 == len({r["task_id"] for r in rows})
     assert sorted(r["run_at"] for r in rows) == sorted([*hello, *sent_times(db_url, "minutely")])
+    # Published, as beat would publish it, at its slot, though a tick stored it up to 90 s
+    # ahead: that is its place in the queue once it is due (migration 0020).
+    assert all(r["created_at"] == r["run_at"] for r in rows)
 
 
 def test_a_tick_90_s_late_gives_one_late_run_then_the_cadence(db_url: str) -> None:

@@ -167,6 +167,24 @@ def test_scheduled_messages_are_promoted_when_due(store: Store, db_url: str) -> 
     assert [r.id for r in store.fetch(["q"], 1, c)] == [row_id]
 
 
+def test_a_promoted_message_comes_before_those_published_after_it(
+    store: Store, db_url: str
+) -> None:
+    """Its place in the queue is its publish, as with RabbitMQ, where a worker receives an ETA
+    message in publish order and holds it until due: behind a backlog, a countdown does not
+    wait for the messages published after it."""
+    from datetime import datetime, timedelta, timezone
+
+    eta = datetime.now(timezone.utc) + timedelta(minutes=10)
+    (early,) = _publish(store, "q", eta=eta.isoformat())
+    later = _publish(store, "q", 3)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("UPDATE pgskip.jobs SET run_at = now() WHERE id = %s", (early,))
+    assert store.promote_scheduled()[0] == 1
+    c = _consumer(store, ["q"])
+    assert [r.id for r in store.fetch(["q"], 4, c)] == [early, *later]
+
+
 def test_purge_removes_exactly_the_waiting_messages(store: Store) -> None:
     _publish(store, "q", 7)
     _publish(store, "other", 2)

@@ -1,6 +1,8 @@
 # Create your tasks here
 
 from demoapp.models import Widget
+from django.db import connection, transaction
+from kombu_pgskip import completing
 
 from celery import shared_task
 
@@ -50,3 +52,9 @@ def error_task(self):
 )
 def error_backoff_test(self):
     raise Exception("Test error")
+
+
+@shared_task(bind=True, acks_late=True)
+def rename_widget_once(self, widget_id, name):
+    with transaction.atomic(), completing(self, connection):
+        Widget.objects.filter(id=widget_id).update(name=name)
