@@ -33,6 +33,7 @@ import click
 
 from . import __version__, exceptions
 from .migrate import DEFAULT_LOCK_TIMEOUT, DEFAULT_RETRIES, DEFAULT_SCHEMA, migrate
+from .options import app_broker
 from .store import Store
 from .urls import mask_url
 
@@ -46,13 +47,10 @@ class Target:
 
     @classmethod
     def from_app(cls, app: Any, schema: str | None) -> Target:
-        url = app.conf.broker_write_url or app.conf.broker_url
+        url, app_schema = app_broker(app)
         if not url:
             raise click.UsageError("the Celery app has no broker_url")
-        if isinstance(url, (list, tuple)):
-            url = url[0]
-        options = app.conf.broker_transport_options or {}
-        return cls(str(url), schema or options.get("schema", DEFAULT_SCHEMA))
+        return cls(url, schema or app_schema)
 
 
 def _fail(exc: BaseException) -> None:
@@ -784,8 +782,7 @@ def _target(ctx: click.Context, url: str | None, schema: str | None) -> Target:
     else ``pgskip``. Without either URL this is a usage error."""
     app = _app_or_none(ctx)
     if url:
-        options = (app.conf.broker_transport_options or {}) if app is not None else {}
-        return Target(url, schema or options.get("schema", DEFAULT_SCHEMA))
+        return Target(url, schema or (app_broker(app)[1] if app is not None else DEFAULT_SCHEMA))
     if app is None:
         raise click.UsageError(
             "no broker URL: pass --url (or set $PGSKIP_URL), "

@@ -35,19 +35,16 @@ runs in its transaction and nothing is marked.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from . import exceptions
-from .adapters import adapt, pyformat_text
+from .adapters import Adapter, adapt, pyformat_text
 from .envelope import parse_tag
-from .migrate import DEFAULT_SCHEMA
+from .options import app_broker
 from .sql import queries_in, raw_queries_in
 from .urls import connect
-
-logger = logging.getLogger(__name__)
 
 
 def delivery_of(task: Any) -> tuple[int, int] | None:
@@ -69,11 +66,6 @@ def delivery_of(task: Any) -> tuple[int, int] | None:
             f"completing(): task {getattr(task, 'name', task)!r} was not delivered by the pgskip "
             f"broker (delivery tag {tag!r}): it finishes messages of a pgskip:// broker only"
         ) from None
-
-
-def _schema(task: Any) -> str:
-    options = getattr(task.app.conf, "broker_transport_options", None) or {}
-    return str(options.get("schema", DEFAULT_SCHEMA))
 
 
 def _check_acks_late(task: Any) -> None:
@@ -99,39 +91,35 @@ def completing(task: Any, conn: object = None) -> Iterator[Any]:
     here."""
     _check_acks_late(task)
     delivery = delivery_of(task)
-    schema = _schema(task)
+    url, schema = app_broker(task.app)
     if conn is not None:
-        adapter = adapt(conn)
-        adapter.check()
-        if delivery is not None:
-            _finish(adapter.run, schema, delivery, task)
+        _finish(adapt(conn), schema, delivery, task)
         yield conn
         return
-    url = task.app.conf.broker_write_url or task.app.conf.broker_url
-    if isinstance(url, (list, tuple)):
-        url = url[0]
-    own = connect(str(url), autocommit=False, pin_search_path=False)
+    if url is None:
+        raise exceptions.ConfigurationError(
+            "completing(): the Celery app has no broker_url; pass the connection to use"
+        )
+    own = connect(url, autocommit=False, pin_search_path=False)
     try:
         with own.transaction():
-            if delivery is not None:
-
-                def run(query: Any, text: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-                    return own.execute(query, params).fetchall()
-
-                _finish(run, schema, delivery, task)
+            _finish(adapt(own), schema, delivery, task)
             yield own
     finally:
         own.close()
 
 
-def _finish(run: Callable[..., list[tuple[Any, ...]]], schema: str, delivery: tuple[int, int],
-            task: Any) -> None:  # fmt: skip
-    """Mark the delivered message done in the transaction ``run`` runs statements in, or raise
+def _finish(adapter: Adapter, schema: str, delivery: tuple[int, int] | None, task: Any) -> None:
+    """Check that the connection is in a transaction and mark the delivered message done in it
+    (nothing to mark without a delivery), or raise
     :class:`~kombu_pgskip.exceptions.DeliveryLost`."""
+    adapter.check()
+    if delivery is None:
+        return
     row_id, token = delivery
     query = queries_in("consume.sql", schema)["finish_in_transaction"]
     text = pyformat_text(raw_queries_in("consume.sql")["finish_in_transaction"], schema)
-    rows = run(query, text, {"id": row_id, "delivery": token})
+    rows = adapter.run(query, text, {"id": row_id, "delivery": token})
     if not rows:
         raise exceptions.DeliveryLost(
             f"completing(): message {row_id} of task {getattr(task.request, 'id', '?')} is no "

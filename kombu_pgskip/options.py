@@ -237,3 +237,16 @@ class Options:
         ):
             if getattr(self, name) < 0:
                 raise exceptions.ConfigurationError(f"transport option {name} must be >= 0")
+
+
+def app_broker(app: Any) -> tuple[str | None, str]:
+    """A Celery app's broker URL (``broker_write_url``, else ``broker_url``; the first of a
+    list of failover URLs; None when it has none) and the schema of its transport options
+    (``broker_transport_options['schema']``, else ``pgskip``)."""
+    from .migrate import DEFAULT_SCHEMA
+
+    url = app.conf.broker_write_url or app.conf.broker_url
+    if isinstance(url, (list, tuple)):
+        url = url[0] if url else None
+    options = app.conf.broker_transport_options or {}
+    return (str(url) if url else None), str(options.get("schema", DEFAULT_SCHEMA))
