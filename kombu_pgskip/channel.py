@@ -21,10 +21,12 @@ from queue import Empty
 from typing import TYPE_CHECKING, Any
 
 from amqp.protocol import queue_declare_ok_t
+from celery import current_task
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
+from . import exceptions
 from .acks import AckBatcher
 from .envelope import (
     parse_tag,
@@ -35,7 +37,7 @@ from .envelope import (
 )
 from .fetcher import AsyncFetcher
 from .policy import ChannelState
-from .store import FetchedRow, NewMessage, Store
+from .store import FetchedRow, NewMessage, Store, refuse_unique_keys
 
 if TYPE_CHECKING:
     from .options import Options
@@ -195,9 +197,23 @@ class Channel(virtual.Channel):
             max_message_size=self.options.max_message_size,
         )
         if self._collected is not None:
+            refuse_unique_keys((row,))
             self._collected.append(Collected(row))
-        else:
-            self.store.publish(row)
+            return
+        if self.store.publish(row) is not None:
+            return
+        # Celery's retry (or a task publishing itself again) while its message, which holds
+        # the key, still runs: the new message takes the key over.
+        retried = row.task_id is not None and row.task_id == _current_task_id()
+        if retried and self.store.take_over_unique_key(row) is not None:
+            return
+        raise exceptions.DuplicateTask(
+            f"not published: another message of queue {queue!r} holds unique key "
+            f"{row.unique_key!r} (pending, scheduled or running); the task it stands for is "
+            "already on its way",
+            queue=queue,
+            key=str(row.unique_key),
+        )
 
     @contextmanager
     def collecting(self) -> Iterator[list[int]]:
@@ -472,6 +488,12 @@ class Channel(virtual.Channel):
             eta_threshold=self.options.eta_threshold,
             max_message_size=self.options.max_message_size,
         )
+        if row.unique_key is not None:
+            raise exceptions.ConfigurationError(
+                f"a unique key ({row.unique_key!r}) on a message to exchange {exchange!r}: a "
+                "unique key holds within one queue, so publish the task to its queue (Celery "
+                "does for a direct exchange, its default); nothing was written"
+            )
         local = self._local_targets(exchange, routing_key or "")
         if self._collected is not None:
             self._collected.append(Collected(row, exchange, routing_key or "", tuple(local)))
@@ -739,3 +761,9 @@ class PublishBatch:
 
     def close(self) -> None:
         self._items = []
+
+
+def _current_task_id() -> str | None:
+    """The id of the Celery task this thread is running, if any."""
+    task: Any = current_task
+    return str(task.request.id) if task else None

@@ -301,6 +301,36 @@ def do_resume(target: Target, queues: Sequence[str], resume_all: bool) -> None:
         click.echo(f"queue {queue!r}: {'resumed' if queue in resumed else 'was not paused'}")
 
 
+def do_unique_keys(target: Target, queue: str | None, limit: int, as_json: bool) -> None:
+    try:
+        store = Store(target.url, schema=target.schema)
+        try:
+            held = store.unique_keys(queue, limit)
+        finally:
+            store.close()
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    if as_json:
+        _echo_json({"keys": [{**k, "created_at": _utc(k["created_at"])} for k in held]})
+        return
+    _table(
+        ("queue", "key", "status", "task", "task id", "published"),
+        [
+            (
+                k["queue"],
+                k["key"],
+                k["status"],
+                k["task"] or "-",
+                k["task_id"] or "-",
+                _fmt_time(k["created_at"]),
+            )
+            for k in held
+        ],
+        "(no unique key held)",
+    )
+
+
 def do_revoke(target: Target, task_ids: Sequence[str], app: Any = None) -> None:
     from .control import revoke_waiting
 
@@ -1344,6 +1374,35 @@ def failed_cmd(
     """
     target = _target(ctx, url, schema)
     do_failed(target, _failed_filter(queue, task, older_than, limit or 100), full, as_json)
+
+
+@pgskip.command(name="unique-keys")
+@click.option("--queue", default=None, help="Only this queue's keys.")
+@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
+@_json_option
+@_url_option
+@_schema_option
+@click.pass_context
+def unique_keys_cmd(
+    ctx: click.Context,
+    queue: str | None,
+    limit: int,
+    as_json: bool,
+    url: str | None,
+    schema: str | None,
+) -> None:
+    """List the unique keys held, by queue.
+
+    A key is held by a message published with `pgskip_unique` while it is pending, scheduled
+    or running; a publish with a held key writes nothing (docs/unique.md).
+
+    \b
+    --json prints:
+    {"keys": [{"queue": "default", "key": "sync:7", "status": "running",
+               "task": "proj.sync_account", "task_id": "...",
+               "created_at": "2026-01-31T12:00:00+00:00"}]}
+    """
+    do_unique_keys(_target(ctx, url, schema), queue, limit, as_json)
 
 
 @pgskip.command(name="revoke")

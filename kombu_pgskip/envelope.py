@@ -3,7 +3,8 @@
 The row's ``payload`` is the kombu virtual-transport message (body encoded as the channel's
 ``body_encoding``, headers, properties), so what a worker receives is exactly what the publisher
 sent. A few fields are lifted into columns: the queue, the priority, when it may be delivered (from
-Celery's ``eta`` header), the task name and id (for operators), and the TTL.
+Celery's ``eta`` header), the task name and id (for operators), the TTL, and the message's keys
+(:func:`message_keys`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,47 @@ def validate_queue_name(name: object) -> str:
             f"invalid queue name {name!r}: not valid UTF-8 (lone surrogate)"
         ) from None
     return name
+
+
+#: The message keys, as ``apply_async`` options and message headers: a unique key
+#: (docs/unique.md) and the key a per-key concurrency limit counts by (docs/limits.md).
+UNIQUE_KEY = "pgskip_unique"
+CONCURRENCY_KEY = "pgskip_concurrency_key"
+#: The longest key, in bytes of UTF-8: far below what one entry of a B-tree index can hold.
+MAX_KEY_BYTES = 512
+
+
+def message_keys(message: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The message's unique key and concurrency key (``None`` where it has none), which
+    ``apply_async`` puts in the message's properties (an unknown ``apply_async`` option
+    becomes one) and a retry carries in the headers. A key given as a property is moved
+    into the headers, so that Celery's ``retry``, which copies the headers of the task it
+    retries, publishes it again; raises
+    :class:`~kombu_pgskip.exceptions.ConfigurationError` for a key that is not 1 to
+    :data:`MAX_KEY_BYTES` bytes of text without NUL."""
+    properties = message.get("properties")
+    headers = message.get("headers")
+    found: list[str | None] = []
+    for name in (UNIQUE_KEY, CONCURRENCY_KEY):
+        value = properties.pop(name, None) if properties else None
+        if value is None:
+            value = headers.get(name) if headers else None
+        elif headers is None:
+            headers = message["headers"] = {name: value}
+        else:
+            headers[name] = value
+        found.append(None if value is None else _valid_key(name, value))
+    return found[0], found[1]
+
+
+def _valid_key(name: str, value: object) -> str:
+    size = len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else -1
+    if not 0 < size <= MAX_KEY_BYTES or "\x00" in value:  # type: ignore[operator]
+        raise exceptions.ConfigurationError(
+            f"{name}={value!r}: a key is 1 to {MAX_KEY_BYTES} bytes of text without NUL "
+            "(for example f'invoice:{invoice.id}'); nothing was written"
+        )
+    return value  # type: ignore[return-value]
 
 
 def _parse_eta(value: Any) -> datetime | None:
@@ -154,6 +196,7 @@ def _row(
     max_message_size: int,
     now: datetime | None,
 ) -> NewMessage:
+    unique_key, concurrency_key = message_keys(message)
     headers = message.get("headers") or {}
     body = message.get("body")
     if isinstance(body, (str, bytes)) and len(body) > max_message_size:
@@ -180,6 +223,8 @@ def _row(
         task_name=str(task_name) if task_name is not None else None,
         task_id=str(task_id) if task_id is not None else None,
         ttl_ms=ttl_ms_of(message),
+        unique_key=unique_key,
+        concurrency_key=concurrency_key,
     )
 
 

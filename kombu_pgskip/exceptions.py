@@ -461,6 +461,19 @@ class DeliveryLost(PgSkipError):
     transaction back, so that the work is done once, by the other delivery."""
 
 
+class DuplicateTask(PgSkipError):
+    """Nothing was published: another message of the queue holds the same unique key
+    (pgskip_unique), pending, scheduled or running. Catch it where a duplicate is expected:
+    the task the key stands for is already on its way."""
+
+    def __init__(self, message: str, *, queue: str, key: str) -> None:
+        super().__init__(message)
+        #: The queue the message was published to.
+        self.queue = queue
+        #: The unique key another message of that queue holds.
+        self.key = key
+
+
 class _Reraising:
     """Re-raise a psycopg error leaving the block as :meth:`_map` maps it (our own errors
     pass unchanged). A class rather than a ``@contextmanager`` generator: it wraps every

@@ -61,6 +61,8 @@ PUBLISHED_COLUMNS = (
     "task_name",
     "task_id",
     "expires_at",
+    "unique_key",
+    "concurrency_key",
 )
 PUBLISHER_PRIVILEGES: tuple[Privilege, ...] = (
     ("jobs", "INSERT", PUBLISHED_COLUMNS),

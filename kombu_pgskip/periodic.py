@@ -70,7 +70,7 @@ from kombu.utils.json import dumps
 from psycopg.types.json import Jsonb
 
 from . import cron, exceptions
-from .envelope import priority_of, refuse_nul, ttl_ms_of
+from .envelope import message_keys, priority_of, refuse_nul, ttl_ms_of
 from .schedule_spec import (
     CrontabSpec,
     IntervalSpec,
@@ -485,14 +485,19 @@ def _plan_one(
                 paths.append(["properties", "delivery_tag"])
             if not id_paths:
                 id_paths = paths
-        messages.append(
-            {
-                "queue": queue,
-                "priority": priority_of(message),
-                "ttl_ms": ttl_ms_of(message),
-                "payload": message,
-            }
-        )
+        unique_key, concurrency_key = message_keys(message)
+        captured_message = {
+            "queue": queue,
+            "priority": priority_of(message),
+            "ttl_ms": ttl_ms_of(message),
+            "payload": message,
+        }
+        # Only where given, so that an entry without keys is stored as before.
+        if unique_key is not None:
+            captured_message["unique_key"] = unique_key
+        if concurrency_key is not None:
+            captured_message["concurrency_key"] = concurrency_key
+        messages.append(captured_message)
     plan = EntryPlan(
         name=name,
         task=task,

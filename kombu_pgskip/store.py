@@ -99,6 +99,8 @@ class NewMessage:
     task_name: str | None
     task_id: str | None
     ttl_ms: int | None
+    unique_key: str | None = None
+    concurrency_key: str | None = None
 
     def to(self, queue: str, payload: str | None = None) -> NewMessage:
         """This message for ``queue``, with another ``payload`` if given (faster than
@@ -112,6 +114,8 @@ class NewMessage:
             self.task_name,
             self.task_id,
             self.ttl_ms,
+            self.unique_key,
+            self.concurrency_key,
         )
 
     def params(self) -> dict[str, Any]:
@@ -124,6 +128,8 @@ class NewMessage:
             "task_name": self.task_name,
             "task_id": self.task_id,
             "ttl_ms": self.ttl_ms,
+            "unique_key": self.unique_key,
+            "concurrency_key": self.concurrency_key,
         }
 
 
@@ -156,6 +162,10 @@ def validate_schema_name(schema: object) -> str:
             f"must fit PostgreSQL's {IDENTIFIER_BYTES}-byte identifiers); choose a shorter one"
         )
     return schema
+
+
+class _KeyHeld(Exception):
+    """A message of another task holds the unique key (:meth:`Store.take_over_unique_key`)."""
 
 
 class _Placement(NamedTuple):
@@ -303,11 +313,30 @@ class Store:
 
     # -- publishing ------------------------------------------------------------------------------
 
-    def publish(self, message: NewMessage) -> int:
-        """Insert one message into its queue; returns its id. On the store's own connection it
-        is committed when this returns, and its NOTIFY follows in a transaction of its own,
+    def publish(self, message: NewMessage) -> int | None:
+        """Insert one message into its queue; returns its id, or ``None`` when another message
+        of the queue holds its unique key (nothing was written). On the store's own connection
+        it is committed when this returns, and its NOTIFY follows in a transaction of its own,
         sent right behind the insert's in the same round trip (:meth:`_notify_placement`)."""
-        return self._publish_chunk((message,))[0]
+        ids = self._publish_chunk((message,))
+        return ids[0] if ids else None
+
+    def take_over_unique_key(self, message: NewMessage) -> int | None:
+        """Publish ``message`` in place of the messages of the same task (``task_id``) that
+        hold its unique key: Celery's ``retry`` publishes the retry while the message it
+        retries still runs. One transaction: the key is taken from them, then ``message`` is
+        inserted; returns its id, or ``None`` (nothing changed) when a message of another task
+        holds the key."""
+        params = {"queue": message.queue, "key": message.unique_key, "task_id": message.task_id}
+        try:
+            with self.executor.transaction():
+                self.execute("release_unique_key", params)
+                ids = self._publish_chunk((message,))
+                if not ids:
+                    raise _KeyHeld  # rolls the release back
+        except _KeyHeld:
+            return None
+        return ids[0]
 
     def publish_many(self, messages: Sequence[NewMessage]) -> list[int]:
         """Insert ``messages`` with as few statements as their size allows, all or none.
@@ -316,6 +345,7 @@ class Store:
         than one run inside one transaction (the caller's, on a caller's connection), so a
         failure writes nothing. Returns the ids.
         """
+        refuse_unique_keys(messages)
         chunks = publish_chunks(messages)
         if len(chunks) <= 1:
             return [i for chunk in chunks for i in self._publish_chunk(chunk)]
@@ -341,6 +371,7 @@ class Store:
                 # Inside the pipeline's transaction: the rule puts the NOTIFY in the insert.
                 insert, _, wakes = self._notify_placement(_MANY_ROWS)
                 for chunk in stream_chunks(messages):
+                    refuse_unique_keys(chunk)
                     fetches.append(send(self.q[insert], {**_many_params(chunk), **self._channels}))
                     if wakes is not None:
                         for m in chunk:
@@ -804,6 +835,13 @@ class Store:
         cols = ("name", "paused_at", "paused_by", "reason", "pending")
         return [dict(zip(cols, r, strict=True)) for r in self.execute("paused", {})]
 
+    def unique_keys(self, queue: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """The unique keys held (``queue``'s, or every queue's), by queue and key: queue,
+        key, status, task, task_id and created_at of the message that holds each."""
+        cols = ("queue", "key", "status", "task", "task_id", "created_at")
+        rows = self.execute("unique_keys", {"queue": queue, "limit": limit})
+        return [dict(zip(cols, r, strict=True)) for r in rows]
+
 
 def is_celery_internal(queue: str) -> bool:
     """Whether ``queue`` is one of Celery's remote-control queues (``<node>.celery.pidbox``,
@@ -903,6 +941,18 @@ def stream_chunks(messages: Iterable[NewMessage]) -> Iterator[list[NewMessage]]:
 PAYLOAD_SEPARATOR = "\x1e"
 
 
+def refuse_unique_keys(messages: Sequence[NewMessage]) -> None:
+    """Raise unless no message of a publish of many carries a unique key: such a publish
+    writes all its messages or none, and returns an id per message."""
+    for m in messages:
+        if m.unique_key is not None:
+            raise exceptions.ConfigurationError(
+                f"a message with a unique key ({m.unique_key!r}) in a publish of many messages: "
+                "that publish writes all of them or none, so it takes no unique key; publish "
+                "keyed tasks one by one (apply_async, apply_async_in); nothing was written"
+            )
+
+
 def _many_params(messages: Sequence[NewMessage]) -> dict[str, str]:
     """The parameters of ``publish_many``'s statement for ``messages``: their columns as one
     JSON array (``rows``), their payloads (already JSON) as one text split by the server
@@ -918,10 +968,11 @@ def _many_params(messages: Sequence[NewMessage]) -> dict[str, str]:
         ttl_ms = "null" if m.ttl_ms is None else str(int(m.ttl_ms))
         task_name = "null" if m.task_name is None else dump(m.task_name)
         task_id = "null" if m.task_id is None else dump(m.task_id)
+        key = "" if m.concurrency_key is None else f',"concurrency_key":{dump(m.concurrency_key)}'
         parts.append(
             f'{{"queue":{queue},"priority":{int(m.priority)},"status":"{m.status}",'
             f'"run_at":{run_at},"task_name":{task_name},"task_id":{task_id},'
-            f'"ttl_ms":{ttl_ms}}}'
+            f'"ttl_ms":{ttl_ms}{key}}}'
         )
     payloads = PAYLOAD_SEPARATOR.join([m.payload for m in messages])
     if payloads.count(PAYLOAD_SEPARATOR) != max(len(parts) - 1, 0):

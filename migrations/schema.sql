@@ -158,7 +158,7 @@ BEGIN
     -- TTL from the message or the queue.
     FOR inserted IN
         INSERT INTO jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at,
-                          created_at)
+                          created_at, unique_key, concurrency_key)
         SELECT msg.value->>'queue',
                LEAST((msg.value->>'priority')::integer, COALESCE(q.max_priority, 255)),
                CASE WHEN due > fired_at THEN 'scheduled' ELSE 'pending' END::job_status,
@@ -170,9 +170,13 @@ BEGIN
                tid,
                GREATEST(due, now())
                  + make_interval(secs => LEAST((msg.value->>'ttl_ms')::bigint, q.message_ttl) / 1000.0),
-               CASE WHEN due > fired_at THEN sent ELSE LEAST(sent, now()) END
+               CASE WHEN due > fired_at THEN sent ELSE LEAST(sent, now()) END,
+               msg.value->>'unique_key',
+               msg.value->>'concurrency_key'
           FROM jsonb_array_elements(e.messages) AS msg
           LEFT JOIN queues AS q ON q.name = msg.value->>'queue'
+        -- A run whose unique key is held (the previous run still waits or runs) is skipped.
+        ON CONFLICT DO NOTHING
         RETURNING jobs.queue, jobs.status, jobs.run_at
     LOOP
         IF inserted.status = 'pending' THEN
@@ -694,9 +698,23 @@ CREATE TABLE pgskip.jobs (
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     finished_at timestamp with time zone,
     last_error text,
-    delivery bigint
+    delivery bigint,
+    unique_key text,
+    concurrency_key text
 )
 WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_vacuum_insert_scale_factor='0.05', autovacuum_analyze_scale_factor='0.05', autovacuum_vacuum_cost_delay='0');
+
+--
+-- Name: COLUMN jobs.unique_key; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.jobs.unique_key IS 'no other message of the queue holds it while pending, scheduled or running (pgskip_unique)';
+
+--
+-- Name: COLUMN jobs.concurrency_key; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.jobs.concurrency_key IS 'what a per-key concurrency limit of the queue counts by (pgskip_concurrency_key)';
 
 --
 -- Name: jobs_id_seq; Type: SEQUENCE; Schema: pgskip; Owner: -
@@ -883,6 +901,12 @@ CREATE INDEX jobs_running_rows ON pgskip.jobs USING btree (id) WHERE (status = '
 --
 
 CREATE INDEX jobs_scheduled ON pgskip.jobs USING btree (run_at) WHERE (status = 'scheduled'::pgskip.job_status);
+
+--
+-- Name: jobs_unique_key; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE UNIQUE INDEX jobs_unique_key ON pgskip.jobs USING btree (queue, unique_key) WHERE ((unique_key IS NOT NULL) AND (status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status, 'running'::pgskip.job_status])));
 
 --
 -- Name: queues_expiring; Type: INDEX; Schema: pgskip; Owner: -

@@ -58,6 +58,7 @@ DATABASE_SAMPLE_PAGES = (
     "transactional-enqueue.md",
     "periodic-tasks.md",
     "metrics.md",
+    "unique.md",
 )
 SAMPLE_PAGES = PURE_SAMPLE_PAGES + DATABASE_SAMPLE_PAGES
 

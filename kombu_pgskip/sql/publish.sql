@@ -8,14 +8,14 @@
 CASE WHEN i.status = 'pending' THEN pg_notify(%(channel)s, i.queue)
      ELSE pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text) END
 
--- publish: insert one message, priority clamped to the queue's x-max-priority, TTL from the message or the queue; wakes the queue's consumers at commit (a scheduled message announces its due time instead); returns the id
+-- publish: insert one message, priority clamped to the queue's x-max-priority, TTL from the message or the queue; wakes the queue's consumers at commit (a scheduled message announces its due time instead); returns the id (no row, no NOTIFY: its unique key is held)
 WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
 i AS ({@insert_one}
     RETURNING id, queue, status)
 SELECT i.id, {@wake}
   FROM i;
 
--- insert_message: as publish without its NOTIFY, which goes where Store._notify_placement puts it: announce in a transaction of its own right after this one, in the same round trip (a durable publish on the store's own connection, so that PostgreSQL's cluster-wide NOTIFY lock is not held while this commit waits for its WAL flush), or announce_many after a caller's commit; returns the id
+-- insert_message: as publish without its NOTIFY, which goes where Store._notify_placement puts it: announce in a transaction of its own right after this one, in the same round trip (a durable publish on the store's own connection, so that PostgreSQL's cluster-wide NOTIFY lock is not held while this commit waits for its WAL flush), or announce_many after a caller's commit; returns the id (no row: its unique key is held)
 WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
 i AS ({@insert_one}
     RETURNING id)
@@ -33,8 +33,9 @@ UNION ALL
 SELECT pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text)
  WHERE %(run_at)s::timestamptz IS NOT NULL;
 
--- insert_one: (fragment, included as {@insert_one} after a CTE q of the queue's max_priority and message_ttl) the insert of publish (a TTL, the message's or the queue's, counts from when the message is due: a countdown longer than the TTL is not dropped before it is due), to be followed by RETURNING id, and queue, status where {@wake} reads them in the same statement (only columns a publisher role may read)
-INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
+-- insert_one: (fragment, included as {@insert_one} after a CTE q of the queue's max_priority and message_ttl) the insert of publish (a TTL, the message's or the queue's, counts from when the message is due: a countdown longer than the TTL is not dropped before it is due; nothing is written when another message of the queue holds its unique key: pending, scheduled or running, migration 0024), to be followed by RETURNING id, and queue, status where {@wake} reads them in the same statement (only columns a publisher role may read)
+INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at,
+                           unique_key, concurrency_key)
 SELECT %(queue)s,
        LEAST(%(priority)s, COALESCE((SELECT max_priority FROM q), 255)),
        %(status)s::{schema}.job_status,
@@ -43,7 +44,18 @@ SELECT %(queue)s,
        %(task_name)s,
        %(task_id)s,
        GREATEST(now(), %(run_at)s::timestamptz)
-         + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0)
+         + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0),
+       %(unique_key)s,
+       %(concurrency_key)s
+    -- No conflict target: one would need SELECT on unique_key, which publishers lack.
+    ON CONFLICT DO NOTHING
+
+-- release_unique_key: the messages of task task_id that hold unique key key in queue (pending, scheduled or running) give it up, so that the task's retry, published in the same transaction, takes it (Store.take_over_unique_key; a worker role's statement)
+UPDATE {schema}.jobs
+   SET unique_key = NULL
+ WHERE queue = %(queue)s AND unique_key = %(key)s AND task_id = %(task_id)s
+   AND status IN ('pending', 'scheduled', 'running')
+RETURNING id;
 
 -- publish_many: insert many messages in one statement, given as one JSON array of their columns (queue, priority, status, run_at, task_name, task_id, ttl_ms) and their payloads as one text, in the same order, separated by U+001E (which JSON text cannot hold unescaped); priority clamped, TTL applied and consumers woken as publish does; returns the ids in order
 WITH {@many_rows}, woken AS (
@@ -65,12 +77,13 @@ m AS MATERIALIZED (
     SELECT *
       FROM ROWS FROM (json_to_recordset(%(rows)s::json)
                       AS (queue text, priority integer, status text, run_at timestamptz,
-                          task_name text, task_id text, ttl_ms bigint),
+                          task_name text, task_id text, ttl_ms bigint, concurrency_key text),
                       unnest(string_to_array(%(payloads)s, chr(30))))
            WITH ORDINALITY AS m(queue, priority, status, run_at, task_name, task_id, ttl_ms,
-                                payload, n)
+                                concurrency_key, payload, n)
 ), i AS (
-    INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
+    INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at,
+                               concurrency_key)
     SELECT m.queue,
            LEAST(m.priority, COALESCE(q.max_priority, 255)),
            m.status::{schema}.job_status,
@@ -78,7 +91,8 @@ m AS MATERIALIZED (
            m.payload::json,
            m.task_name,
            m.task_id,
-           GREATEST(now(), m.run_at) + make_interval(secs => LEAST(m.ttl_ms, q.message_ttl) / 1000.0)
+           GREATEST(now(), m.run_at) + make_interval(secs => LEAST(m.ttl_ms, q.message_ttl) / 1000.0),
+           m.concurrency_key
       FROM m
       LEFT JOIN {schema}.queues AS q ON q.name = m.queue
      ORDER BY m.n
@@ -106,7 +120,8 @@ WITH targets AS (
       FROM known AS q
      WHERE NOT q.declared OR {@live}
 ), i AS (
-    INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at)
+    INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at,
+                               concurrency_key)
     SELECT live.queue,
            LEAST(%(priority)s, COALESCE(live.max_priority, 255)),
            %(status)s::{schema}.job_status,
@@ -115,7 +130,8 @@ WITH targets AS (
            %(task_name)s,
            %(task_id)s,
            GREATEST(now(), %(run_at)s::timestamptz)
-             + make_interval(secs => LEAST(%(ttl_ms)s::bigint, live.message_ttl) / 1000.0)
+             + make_interval(secs => LEAST(%(ttl_ms)s::bigint, live.message_ttl) / 1000.0),
+           %(concurrency_key)s
       FROM live
     RETURNING queue, status
 )

@@ -196,3 +196,11 @@ DELETE FROM {schema}.bindings
 -- exchange_table: every binding of an exchange as (routing_key, pattern, queue)
 SELECT routing_key, pattern, queue FROM {schema}.bindings WHERE exchange = %(exchange)s
  ORDER BY queue, routing_key;
+
+-- unique_keys: the unique keys held (migration 0024), by queue and key, through the index jobs_unique_key: (queue, key, status, task_name, task_id, created_at); queue NULL for every queue; at most limit rows
+SELECT queue, unique_key, status::text, task_name, task_id, created_at
+  FROM {schema}.jobs
+ WHERE unique_key IS NOT NULL AND status IN ('pending', 'scheduled', 'running')
+   AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
+ ORDER BY queue, unique_key
+ LIMIT %(limit)s;

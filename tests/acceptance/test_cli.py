@@ -135,7 +135,7 @@ def test_celery_pgskip_doctor_and_queue_args_act_as_the_owner(db_url: str) -> No
 COMMANDS = {
     "beat-list", "beat-sync", "cron-remove", "doctor", "failed", "grant", "maintenance",
     "metrics", "migrate", "pause", "purge-failed", "queue-args", "resume", "retry-failed",
-    "revoke", "status", "tick",
+    "revoke", "status", "tick", "unique-keys",
 }  # fmt: skip
 #: The arguments a command needs before it looks for a URL.
 ARGUMENTS = {"queue-args": ["default"], "pause": ["default"], "resume": ["default"],

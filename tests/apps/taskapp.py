@@ -111,6 +111,19 @@ def retry_once(self, key: str) -> str:  # type: ignore[no-untyped-def]
     return key
 
 
+@app.task(bind=True, name="taskapp.sync_account", acks_late=True, max_retries=1)
+def sync_account(self, key: str, hold: float = 0.0) -> str:  # type: ignore[no-untyped-def]
+    """Logs ``try=N`` for each run, holds ``hold`` seconds, and retries once after a second:
+    published with a unique key, the retry holds the key until it has run."""
+    _log(key, f"try={self.request.retries}", None, self.request.hostname)
+    if hold:
+        time.sleep(hold)
+    if self.request.retries == 0:
+        raise self.retry(countdown=1)
+    _log(key, "finish", None, self.request.hostname)
+    return key
+
+
 @app.task(bind=True, name="taskapp.count_once", acks_late=True)
 def count_once(self, key: str, hold: float = 0.0, after: float = 0.0) -> str:  # type: ignore[no-untyped-def]
     """Adds one to the ``test_counter`` row and records ``key`` in ``test_effects``, in the

@@ -32,7 +32,7 @@ from psycopg import sql
 
 from kombu_pgskip import exceptions
 from kombu_pgskip.doctor import run_doctor
-from kombu_pgskip.grants import apply_grants, grant_statements
+from kombu_pgskip.grants import Grant, apply_grants, grant_statements
 from kombu_pgskip.maintenance import MaintenanceConfig, run_once
 from kombu_pgskip.migrate import load_migrations, migrate
 from kombu_pgskip.periodic import fire_due
@@ -835,27 +835,66 @@ def test_only_the_owner_pauses_or_resumes_a_queue(tidy: Deployment) -> None:
     assert "queue 'held': resumed" in done.stdout
 
 
+@contextmanager
+def _granted_before(
+    server: PgServer, db_url: str, tmp_path: Any, version: int
+) -> Iterator[tuple[Any, Any]]:
+    """A worker and a publisher role granted what `pgskip grant` gave on a schema at
+    ``version - 1`` (today's grants without what later migrations added), the schema then
+    migrated to the newest: (worker, publisher)."""
+    require_passwords(server)
+    dbname = db_url.rsplit("/", 1)[1]
+    for m in (REPO_ROOT / "migrations").glob("00*.sql"):
+        if int(m.name[:4]) < version:
+            (tmp_path / m.name).write_bytes(m.read_bytes())
+    with (
+        login_role(server.dsn, databases=(dbname,)) as worker,
+        login_role(server.dsn, databases=(dbname,)) as publisher,
+    ):
+        migrate(db_url, directory=tmp_path)
+        old = []
+        for g in grant_statements(
+            dbname, "pgskip", workers=[worker.name], publishers=[publisher.name]
+        ):
+            text = g.text()
+            if version <= 21 and "paused_queues" in text:
+                continue
+            if version <= 23 and '"unique_key"' in text:
+                text = text.replace(', "unique_key", "concurrency_key"', "")
+                g = Grant(g.role, g.what, sql.Composed([sql.SQL(text)]))
+            old.append(g)
+        apply_grants(db_url, old)
+        assert migrate(db_url) == [m.label for m in load_migrations() if m.version >= version]
+        yield worker, publisher
+
+
+def test_migration_0023_lets_publishers_granted_before_it_publish_keyed_tasks(
+    any_pg_server: PgServer, versioned_empty_db_url: str, tmp_path: Any
+) -> None:
+    """Every publish writes the key columns: a publisher role granted by an older `pgskip
+    grant` keeps publishing after the upgrade, with keys too, and still reads nothing new."""
+    db_url = versioned_empty_db_url
+    with _granted_before(any_pg_server, db_url, tmp_path, 23) as (_worker, publisher):
+        store = Store(broker(publisher.url(db_url)))
+        try:
+            keyed = NewMessage("q", 0, "pending", None, "{}", "t", "1", None, "k", "c")
+            assert store.publish(keyed) is not None
+            assert store.publish(NewMessage("q", 0, "pending", None, "{}", "t", "2", None))
+            assert store.publish(keyed) is None, "the key is held"
+        finally:
+            store.close()
+        with psycopg.connect(publisher.url(db_url)) as conn:
+            _denied(conn, "SELECT unique_key FROM pgskip.jobs")
+            _denied(conn, "UPDATE pgskip.jobs SET unique_key = NULL")
+
+
 def test_migration_0021_lets_workers_granted_before_it_read_the_paused_queues(
     any_pg_server: PgServer, versioned_empty_db_url: str, tmp_path: Any
 ) -> None:
     """Every fetch reads paused_queues: a worker role granted by an older `pgskip grant` keeps
     fetching after the upgrade, and a publisher role gets nothing new."""
-    require_passwords(any_pg_server)
     db_url = versioned_empty_db_url
-    dbname = db_url.rsplit("/", 1)[1]
-    for m in (REPO_ROOT / "migrations").glob("00*.sql"):
-        if int(m.name[:4]) <= 20:
-            (tmp_path / m.name).write_bytes(m.read_bytes())
-    with (
-        login_role(any_pg_server.dsn, databases=(dbname,)) as worker,
-        login_role(any_pg_server.dsn, databases=(dbname,)) as publisher,
-    ):
-        migrate(db_url, directory=tmp_path)
-        grants = grant_statements(
-            dbname, "pgskip", workers=[worker.name], publishers=[publisher.name]
-        )
-        apply_grants(db_url, [g for g in grants if "paused_queues" not in g.text()])
-        assert migrate(db_url) == [m.label for m in load_migrations() if m.version > 20]
+    with _granted_before(any_pg_server, db_url, tmp_path, 21) as (worker, publisher):
         store = Store(broker(worker.url(db_url)))
         try:
             store.publish(NewMessage("q", 0, "pending", None, '{"n": 1}', "t", "1", None))

@@ -18,7 +18,7 @@ from kombu import Connection, Exchange, Producer, Queue
 from psycopg import errors as pg_errors
 from psycopg import sql
 
-from kombu_pgskip import apply_async_in, exceptions
+from kombu_pgskip import DuplicateTask, apply_async_in, exceptions
 from kombu_pgskip.migrate import migrate
 from kombu_pgskip.periodic import beat_sync
 from tests.conftest import PgServer
@@ -216,7 +216,8 @@ def test_least_privilege_roles_run_a_real_worker_and_hold(roles: Roles) -> None:
     dry = _grant_cli(roles, "--dry-run")
     assert dry.returncode == 0, dry.stderr
     published = (
-        '"queue", "priority", "status", "run_at", "payload", "task_name", "task_id", "expires_at"'
+        '"queue", "priority", "status", "run_at", "payload", "task_name", "task_id", "expires_at", '
+        '"unique_key", "concurrency_key"'
     )
     assert (
         f'GRANT INSERT ({published}) ON "pgskip"."jobs" TO "{roles.publisher.name}";' in dry.stdout
@@ -245,6 +246,12 @@ def test_least_privilege_roles_run_a_real_worker_and_hold(roles: Roles) -> None:
             # countdown: stored 'scheduled', promoted by the worker role
             apply_async_in(conn, app.signature("safetyapp.record", args=["in my transaction"]),
                            queue="default", countdown=3)  # fmt: skip
+        # A unique key, written and enforced as the publisher role.
+        app.send_task(
+            "safetyapp.record", args=["later"], queue="default", countdown=3600, pgskip_unique="k"
+        )
+        with pytest.raises(DuplicateTask):
+            app.send_task("safetyapp.record", args=["again"], queue="default", pgskip_unique="k")
         wait_for_runs(db_url, 2)
         time.sleep(2.5)  # more heartbeats (every 2 s) and sweeps
         log = worker.log_text()
@@ -256,9 +263,11 @@ def test_least_privilege_roles_run_a_real_worker_and_hold(roles: Roles) -> None:
 
     # What the publisher may not do: read bodies, change or delete messages, purge, delete queues.
     with psycopg.connect(publisher_url, autocommit=True) as conn:
-        assert conn.execute("SELECT count(id) FROM pgskip.jobs").fetchone() == (2,)
+        assert conn.execute("SELECT count(id) FROM pgskip.jobs").fetchone() == (3,)
         for forbidden in (
             "SELECT payload FROM pgskip.jobs",
+            "SELECT unique_key FROM pgskip.jobs",
+            "UPDATE pgskip.jobs SET unique_key = NULL",
             "SELECT last_error FROM pgskip.jobs",
             "UPDATE pgskip.jobs SET status = 'pending'",
             "DELETE FROM pgskip.jobs",

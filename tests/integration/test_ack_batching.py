@@ -25,6 +25,16 @@ def _statuses(db_url: str) -> list[str]:
         return [r[0] for r in conn.execute("SELECT status::text FROM pgskip.jobs ORDER BY id")]
 
 
+def _stop_heartbeat(conn: Connection) -> None:
+    """Stop the heartbeat thread, which writes acks left waiting at each beat (and beats as
+    soon as a consumer registers): from here on only the consumer's own statements write."""
+    background = conn.transport._background
+    assert background is not None
+    background.stop()
+    background.join(10)
+    assert not background.is_alive()
+
+
 def test_consumer_connection_commits_asynchronously_and_publisher_durably(db_url: str) -> None:
     with Connection(_broker(db_url)) as conn:
         conn.connect()
@@ -73,6 +83,7 @@ def test_acks_on_an_event_loop_are_written_together_on_the_next_turn(db_url: str
             while len(received) < 5 and time.monotonic() < deadline:
                 hub.run_once()
             assert len(received) == 5
+            _stop_heartbeat(conn)
             for message in received:
                 message.ack()  # type: ignore[attr-defined]
             assert _statuses(db_url) == ["running"] * 5, "acks wait for the loop's next turn"
@@ -171,6 +182,7 @@ def test_blocking_consumer_acks_ride_along_with_the_next_fetch(db_url: str) -> N
         _channel, received = _consuming(conn, queue, 2)
         conn.drain_events(timeout=5)
         assert len(received) == 2
+        _stop_heartbeat(conn)
         for message in received:
             message.ack()  # type: ignore[attr-defined]
         assert _statuses(db_url) == ["running", "running", "pending"], "acks wait"
@@ -195,6 +207,7 @@ def test_a_blocking_consumer_in_a_stream_fetches_once_per_notification_with_the_
     queue = Queue("stream", Exchange("stream"), "stream")
     options = {"polling_interval": 30, "fetch_cooldown": 0}
     with _listening(db_url, queue, options) as (conn, other, received):
+        _stop_heartbeat(conn)
         fetch_sends.clear()
         for i in range(10):
             _announced_while_waiting(conn, other, queue, 0.1)
@@ -215,6 +228,7 @@ def test_a_blocking_consumer_writes_its_acks_within_the_flush_delay_when_nothing
         _channel, received = _consuming(conn, queue, 10, ack=True)
         with contextlib.suppress(TimeoutError):
             conn.drain_events(timeout=0.2)  # LISTEN opened, the queue found empty
+        _stop_heartbeat(conn)
         _publish(conn, queue, 1)
         conn.drain_events(timeout=5)
         assert len(received) == 1
@@ -626,6 +640,7 @@ def test_on_an_event_loop_an_ack_rides_with_the_next_notifications_fetch(
         assert len(received) == 1
         _run_until(hub, lambda: False, timeout=0.2)  # settled: no fetch in flight or queued
         assert not channel.fetcher.in_flight
+        _stop_heartbeat(conn)
         fetch_sends.clear()
         received[0].ack()
         hub.run_once()
