@@ -49,6 +49,10 @@ WORKER_PRIVILEGES: tuple[Privilege, ...] = (
     ("migrations", "SELECT", ()),
     # Every fetch skips the paused queues; only the owner pauses and resumes (migration 0021).
     ("paused_queues", "SELECT", ()),
+    # The limited fetch reads a queue's limits and spends its bucket's tokens; only the owner
+    # sets the limits (migration 0025).
+    ("queue_limits", "SELECT", ()),
+    ("queue_limits", "UPDATE", ("tokens", "refilled_at")),
 )
 #: The columns a publish writes: a publisher cannot insert a message already running under a
 #: consumer, already attempted, or with an id of its choosing.

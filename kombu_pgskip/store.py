@@ -87,6 +87,29 @@ DROP_EXPIRED_BATCH = 5_000
 FETCH_MAX_BYTES = 16 * 1024 * 1024
 
 
+#: With a per-key limit, how many due messages of the queue a limited fetch looks at to find
+#: those whose key has a free slot (``sql/consume.sql``, ``fetch_limited``).
+LIMIT_WINDOW = 1000
+
+
+@dataclass(frozen=True)
+class LimitedFetch:
+    """What a limited fetch (:meth:`Store.fetch_limited`) took and found.
+
+    ``limited``: the queue has limits (else it took nothing, and the normal fetch takes its
+    messages). ``free``: slots under ``max_running`` left after it (None: no such limit).
+    ``tokens``: tokens left in the bucket (None: no rate). ``more``: due messages were left
+    behind (for lack of credit, of a slot, of a token, or of a slot of their key). ``acked``:
+    how many of the acks it carried were still this consumer's."""
+
+    rows: list[FetchedRow]
+    limited: bool
+    free: int | None
+    tokens: float | None
+    more: bool
+    acked: int = 0
+
+
 @dataclass(frozen=True)
 class NewMessage:
     """A message ready to be inserted (see :func:`kombu_pgskip.envelope.to_row`)."""
@@ -841,6 +864,166 @@ class Store:
         cols = ("queue", "key", "status", "task", "task_id", "created_at")
         rows = self.execute("unique_keys", {"queue": queue, "limit": limit})
         return [dict(zip(cols, r, strict=True)) for r in rows]
+
+    # -- limits ----------------------------------------------------------------------------------
+
+    def set_limit(
+        self,
+        name: str,
+        *,
+        max_running: int | None = None,
+        max_running_per_key: int | None = None,
+        rate: float | None = None,
+        burst: int | None = None,
+    ) -> dict[str, Any]:
+        """Set the limits of queue ``name`` for every worker (migration 0025), replacing those
+        it had: from the commit on, at most ``max_running`` of its messages run at once, at
+        most ``max_running_per_key`` per concurrency key, and at most ``rate`` start per
+        second (a bucket of ``burst`` tokens, by default ``max(1, ceil(rate))``), counted
+        across every worker (:meth:`fetch_limited`). Returns its row as :meth:`limits` lists
+        it, with ``replaced``: whether it had limits before. Refused with
+        :class:`~kombu_pgskip.exceptions.ConfigurationError`: no limit given, a limit below
+        1, a burst without a rate, one of Celery's remote-control or event queues."""
+        if is_celery_internal(name):
+            raise exceptions.ConfigurationError(
+                f"{name!r} is one of Celery's remote-control or event queues: limited, "
+                "workers would answer `celery inspect` and `celery control` late or not at "
+                "all; limit the task queues (those of task_queues / -Q) instead"
+            )
+        _no_nul(queue_name=name)
+        check_limits(max_running, max_running_per_key, rate, burst)
+        params = {
+            "name": name,
+            "max_running": max_running,
+            "max_running_per_key": max_running_per_key,
+            "rate": rate,
+            "burst": burst,
+        }
+        row = self.execute("set_limit", params)[0]
+        return {**dict(zip(_LIMIT_COLUMNS, row[:-1], strict=True)), "replaced": bool(row[-1])}
+
+    def unlimit(self, names: Sequence[str]) -> list[str]:
+        """Remove the limits of queues ``names`` and wake their consumers at commit (the normal
+        fetch takes their messages again); returns those that were limited, by name."""
+        rows = self.execute("unlimit", {"names": list(names), "channel": self.channel})
+        return sorted(str(r[0]) for r in rows)
+
+    def limits(self) -> list[dict[str, Any]]:
+        """Every limited queue, by name: name, max_running, max_running_per_key, rate, burst
+        (as the fetch applies it), set_at, set_by, and its ``pending`` and ``running``
+        messages."""
+        return [dict(zip(_LIMIT_COLUMNS, r, strict=True)) for r in self.execute("limits", {})]
+
+    def limited_among(self, names: Sequence[str]) -> set[str]:
+        """Which of queues ``names`` are limited."""
+        if not names:
+            return set()
+        return {str(r[0]) for r in self.execute("limited_among", {"names": list(names)})}
+
+    def fetch_limited(
+        self,
+        queue: str,
+        limit: int,
+        consumer: uuid.UUID,
+        *,
+        acks: Sequence[tuple[int, int]] = (),
+        window: int = LIMIT_WINDOW,
+    ) -> LimitedFetch:
+        """Take up to ``limit`` due messages of the limited ``queue``, within its limits
+        (:meth:`set_limit`), in delivery order; mark them running under ``consumer``.
+
+        One transaction, in one round trip where libpq has pipeline mode: ``acks`` ((id,
+        delivery token) pairs, fenced as :meth:`ack`) are written first, so the slots they
+        free count; then the queue's row of ``queue_limits`` is locked, so that the limited
+        fetches of the queue, in every worker, run one after the other; then one statement,
+        whose snapshot sees every message an earlier one took, counts the running messages,
+        refills the bucket, takes what the limits leave, and spends the tokens. A fetch that
+        waits for the lock waits for the one fetch (or limit change) ahead of it. With a
+        per-key limit, the first ``window`` due messages are looked at (see ``sql``).
+
+        A queue with no limits (any more) takes nothing: ``LimitedFetch.limited`` is false,
+        and the normal fetch takes its messages."""
+        ids, deliveries = _split(acks)
+        params = {"queue": queue, "limit": max(limit, 0), "consumer": consumer, "window": window}
+        q = self.q
+        with exceptions.translating(url_for_messages=self._where):
+            with self._one_transaction() as send:
+                acked = send(q[self._ack], {"ids": ids, "deliveries": deliveries,
+                                            "consumer": consumer}) if acks else None  # fmt: skip
+                send(q["limit_lock"], {"queue": queue})
+                fetched = send(q["fetch_limited"], params)
+            rows = fetched()
+            done = len(acked()) if acked is not None else 0
+        head = rows[0]
+        return LimitedFetch(
+            rows=fetched_rows([r[4:15] for r in rows if r[4] is not None]),
+            limited=bool(head[0]),
+            free=None if head[1] is None else int(head[1]),
+            tokens=None if head[2] is None else float(head[2]),
+            more=bool(head[3]),
+            acked=done,
+        )
+
+    @contextmanager
+    def _one_transaction(self) -> Iterator[Any]:
+        """A transaction whose statements go down a pipeline (one round trip) where there is
+        one, else are run one by one; yields ``send(query, params)``, which returns a function
+        giving the statement's rows once the block has ended."""
+        pipeline = self.executor.pipeline()
+        if pipeline is not None:
+            with pipeline as send:
+                yield send
+            return
+        with self.executor.transaction():
+
+            def send(query: Any, params: dict[str, Any]) -> Any:
+                rows = self.executor.run(query, params)
+                return lambda: rows
+
+            yield send
+
+
+#: The columns of a limited queue's row (``limits``, ``set_limit``).
+_LIMIT_COLUMNS = (
+    "name",
+    "max_running",
+    "max_running_per_key",
+    "rate",
+    "burst",
+    "set_at",
+    "set_by",
+    "pending",
+    "running",
+)
+
+
+def check_limits(
+    max_running: int | None,
+    max_running_per_key: int | None,
+    rate: float | None,
+    burst: int | None,
+) -> None:
+    """Refuse limits ``queue_limits`` would not hold, saying why
+    (:class:`~kombu_pgskip.exceptions.ConfigurationError`)."""
+    if max_running is None and max_running_per_key is None and rate is None:
+        raise exceptions.ConfigurationError(
+            "no limit given: give a maximum of running messages, per key, or a rate "
+            "(to remove a queue's limits: unlimit)"
+        )
+    for what, value in (("max_running", max_running), ("max_running_per_key",
+                        max_running_per_key), ("burst", burst)):  # fmt: skip
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 < value <= 2**31 - 1):  # fmt: skip
+            raise exceptions.ConfigurationError(
+                f"{what} must be a whole number from 1 to {2**31 - 1}, not {value!r}"
+            )
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                             or not 0 < rate < float("inf")):  # fmt: skip
+        raise exceptions.ConfigurationError(
+            f"rate must be a positive number of messages per second, not {rate!r}"
+        )
+    if burst is not None and rate is None:
+        raise exceptions.ConfigurationError("a burst is the size of a rate's bucket: give a rate")
 
 
 def is_celery_internal(queue: str) -> bool:

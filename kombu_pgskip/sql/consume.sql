@@ -69,7 +69,7 @@ SELECT b.id, b.priority, b.rn, coalesce(b.next_before >= %(max_bytes)s::bigint, 
  -- then joins the rows to jobs by a nested loop (5 ms instead of 1 for 100 messages).
  WHERE b.past <= 0
 
--- due_row: (fragment, included as {@due_row} after SELECT, within due's scan of queue q) a due pending message of the queue, unless the queue is paused (migration 0021: a one-time filter of the scan, one probe of paused_queues' primary key), with its stored payload size (and its payload when compressed, which due measures only as far as its budget goes), up to the WHERE clause's end, where the scan's bounds follow
+-- due_row: (fragment, included as {@due_row} after SELECT, within due's scan of queue q) a due pending message of the queue, unless the queue is paused (migration 0021) or limited (migration 0025: only fetch_limited takes its messages), each a one-time filter of the scan, one probe of a primary key, with its stored payload size (and its payload when compressed, which due measures only as far as its budget goes), up to the WHERE clause's end, where the scan's bounds follow
 id, queue, priority, run_at, pg_column_size(payload) AS stored,
        CASE WHEN pg_column_compression(payload) IS NOT NULL THEN payload END AS packed
   FROM {schema}.jobs
@@ -78,6 +78,7 @@ id, queue, priority, run_at, pg_column_size(payload) AS stored,
    AND run_at <= now()
    AND (expires_at IS NULL OR expires_at > now())
    AND NOT EXISTS (SELECT FROM {schema}.paused_queues AS pq WHERE pq.name = q.name)
+   AND NOT EXISTS (SELECT FROM {schema}.queue_limits AS ql WHERE ql.name = q.name)
 
 -- take: (fragment, included as {@take} after a CTE named picked) mark the picked rows running under the consumer and stamp this delivery's token; returns what a consumer needs, the due time last (as text, which the consumer's connection reads back exactly: with the priority and id, where its next fetch of the queue may start); the rows are looked up by id (= ANY), which a generic plan, estimating a tenth of the table for an unknown LIMIT, would otherwise hash-join by scanning the whole table
 -- The token (delivery, migration 0013) fences every transition out of this delivery
@@ -120,6 +121,8 @@ SELECT a.n, t.id, t.queue, t.payload, t.redelivered, t.attempts, t.expires_at, t
                                  AND (u.expires_at IS NULL OR u.expires_at > now())
                                  AND NOT EXISTS (SELECT FROM {schema}.paused_queues AS pq
                                                   WHERE pq.name = uq.name)
+                                 AND NOT EXISTS (SELECT FROM {schema}.queue_limits AS ql
+                                                  WHERE ql.name = uq.name)
                                ORDER BY u.priority DESC, u.run_at, u.id
                                LIMIT 1) AS w) AS urgent
           FROM acked) AS a
@@ -132,6 +135,100 @@ DELETE FROM {schema}.jobs AS jobs
  WHERE jobs.id = picked.id
 RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts + 1, jobs.expires_at,
           picked.priority, picked.rn, 0::bigint, picked.budget_full, jobs.run_at::text;
+
+-- limit_lock: (the first statement of a limited fetch's transaction, before fetch_limited) lock the queue's row of queue_limits until the transaction ends: the limited fetches of a queue, by every worker, run one after the other, and the next statement's snapshot, taken once the lock is granted, sees the messages every earlier one took; no row when the queue is no longer limited
+-- A row lock rather than an advisory lock: only roles that may update queue_limits (workers,
+-- the owner) can take it, where any role of the database could hold an advisory key forever,
+-- and a change of the limits (pgskip limit, unlimit) waits for the fetch in progress.
+SELECT 1 FROM {schema}.queue_limits WHERE name = %(queue)s FOR NO KEY UPDATE;
+
+-- fetch_limited: (after limit_lock, in its transaction) take up to limit due messages of one limited queue (migration 0025), within its limits: no more than max_running minus its running messages, than max_running_per_key minus the running messages of each concurrency key, than the whole tokens of its bucket (refilled at rate per second since refilled_at, holding at most burst, by default max(1, ceil(rate))); mark them running as fetch does, spend the tokens; one row (limited, free, tokens, more) left-joined to the rows taken, as take returns them: limited is false when the queue has no limits (any more), free the running slots left (NULL: no max_running), tokens those left (NULL: no rate), more whether due messages were left behind
+-- The running messages are counted through jobs_running_rows (every running message of every
+-- queue, a worker's executing and prefetched ones), per key only with a per-key limit. The
+-- candidates are read without locks in delivery order, at most window of them with a per-key
+-- limit (a key whose messages all lie further on waits until those ahead are taken), only as
+-- many as can be taken without: the lock above keeps every other limited fetch of the queue
+-- out; the normal fetch skips the queue (due_row). The picked ones are then locked, skipping
+-- any another session holds (a revoke, an older worker's fetch), and rechecked as pending.
+WITH lim AS (
+    SELECT l.max_running, l.max_running_per_key, l.rate,
+           CASE WHEN l.rate IS NULL THEN NULL
+                ELSE least(coalesce(l.burst, greatest(1, ceil(l.rate)))::float8,
+                           coalesce(l.tokens, coalesce(l.burst, greatest(1, ceil(l.rate)))::float8)
+                           + l.rate * greatest(0, extract(epoch FROM statement_timestamp()
+                                                 - coalesce(l.refilled_at, statement_timestamp()))))
+           END AS tokens
+      FROM {schema}.queue_limits AS l
+     WHERE l.name = %(queue)s
+), counted AS (
+    -- A paused queue (migration 0021) takes nothing: no row here.
+    SELECT lim.*,
+           CASE WHEN lim.max_running IS NOT NULL
+                THEN greatest(0, lim.max_running - (SELECT count(*) FROM {schema}.jobs AS r
+                                                     WHERE r.status = 'running'
+                                                       AND r.queue = %(queue)s)) END AS free
+      FROM lim
+     WHERE NOT EXISTS (SELECT FROM {schema}.paused_queues AS pq WHERE pq.name = %(queue)s)
+), budget AS (
+    -- least() leaves out the limits that are NULL (not set)
+    SELECT counted.*,
+           greatest(0, least(%(limit)s::bigint, counted.free, floor(counted.tokens)::bigint)) AS n
+      FROM counted
+), keys AS (
+    SELECT r.concurrency_key AS key, count(*) AS n
+      FROM {schema}.jobs AS r
+     WHERE r.status = 'running' AND r.queue = %(queue)s AND r.concurrency_key IS NOT NULL
+       AND (SELECT max_running_per_key FROM budget WHERE n > 0) IS NOT NULL
+     GROUP BY r.concurrency_key
+), candidates AS (
+    SELECT c.id, c.priority, c.run_at, c.concurrency_key,
+           row_number() OVER (PARTITION BY c.concurrency_key
+                              ORDER BY c.priority DESC, c.run_at, c.id) AS krank
+      FROM (SELECT j.id, j.priority, j.run_at, j.concurrency_key
+              FROM {schema}.jobs AS j
+             WHERE j.queue = %(queue)s
+               AND j.status = 'pending'
+               AND j.run_at <= now()
+               AND (j.expires_at IS NULL OR j.expires_at > now())
+               AND EXISTS (SELECT FROM budget)
+             ORDER BY j.priority DESC, j.run_at, j.id
+             -- one more than can be taken says whether any was left behind
+             LIMIT (SELECT CASE WHEN n = 0 OR max_running_per_key IS NULL THEN n + 1
+                                ELSE greatest(%(window)s::bigint, n + 1) END
+                      FROM budget)) AS c
+), eligible AS (
+    SELECT c.id, c.priority, c.run_at
+      FROM candidates AS c
+      LEFT JOIN keys AS k ON k.key = c.concurrency_key
+     WHERE c.concurrency_key IS NULL
+        OR (SELECT max_running_per_key FROM budget) IS NULL
+        OR c.krank <= (SELECT max_running_per_key FROM budget) - coalesce(k.n, 0)
+     ORDER BY c.priority DESC, c.run_at, c.id
+     LIMIT (SELECT n FROM budget)
+), picked AS (
+    SELECT j.id, j.priority, row_number() OVER (ORDER BY j.priority DESC, j.run_at, j.id) AS rn,
+           false AS budget_full
+      FROM (SELECT w.id, w.priority, w.run_at
+              FROM {schema}.jobs AS w
+             WHERE w.id = ANY (ARRAY(SELECT id FROM eligible))
+               AND w.queue = %(queue)s AND w.status = 'pending'
+               FOR UPDATE OF w SKIP LOCKED) AS j
+), taken AS (
+{@take}
+), spent AS (
+    UPDATE {schema}.queue_limits AS l
+       SET tokens = b.tokens - (SELECT count(*) FROM taken), refilled_at = statement_timestamp()
+      FROM budget AS b
+     WHERE l.name = %(queue)s AND b.rate IS NOT NULL
+    RETURNING l.tokens
+)
+SELECT s.limited, s.free, s.tokens, s.more, t.id, t.queue, t.payload, t.redelivered, t.attempts,
+       t.expires_at, t.priority, t.rn, t.delivery, t.budget_full, t.run_at
+  FROM (SELECT EXISTS (SELECT FROM lim) AS limited,
+               (SELECT free - (SELECT count(*) FROM taken) FROM budget) AS free,
+               (SELECT tokens FROM spent) AS tokens,
+               (SELECT count(*) FROM candidates) > (SELECT count(*) FROM taken) AS more) AS s
+  LEFT JOIN taken AS t ON true;
 
 -- ack: mark delivered messages completed (fenced); ids[k] was delivered with the token deliveries[k]. Rows are found by id and their tokens looked up in the array, not joined to unnest(): a prepared statement's generic plan, which cannot know the arrays' sizes, then still reads each row once
 UPDATE {schema}.jobs AS jobs

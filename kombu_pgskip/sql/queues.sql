@@ -131,6 +131,56 @@ SELECT p.name, p.paused_at, p.paused_by, p.reason
                    WHERE c.id = ANY (%(ids)s::uuid[]))
  ORDER BY p.name;
 
+-- set_limit: set the limits of a queue for every worker (a row in queue_limits, migration 0025), replacing those it had (a limit not given is not set); the bucket keeps its tokens (at most the new burst); from the commit on, only the limited fetch takes its messages; returns its row as limits does, and whether it had limits before
+WITH old AS (
+    SELECT name FROM {schema}.queue_limits WHERE name = %(name)s
+), l AS (
+    INSERT INTO {schema}.queue_limits AS l (name, max_running, max_running_per_key, rate, burst)
+    VALUES (%(name)s, %(max_running)s, %(max_running_per_key)s, %(rate)s, %(burst)s)
+    ON CONFLICT (name) DO UPDATE
+       SET max_running = EXCLUDED.max_running,
+           max_running_per_key = EXCLUDED.max_running_per_key,
+           rate = EXCLUDED.rate, burst = EXCLUDED.burst,
+           tokens = CASE WHEN EXCLUDED.rate IS NOT NULL THEN l.tokens END,
+           refilled_at = CASE WHEN EXCLUDED.rate IS NOT NULL THEN l.refilled_at END,
+           set_at = now(), set_by = current_user
+    RETURNING l.*
+)
+SELECT l.name, l.max_running, l.max_running_per_key, l.rate,
+       CASE WHEN l.rate IS NOT NULL
+            THEN coalesce(l.burst, greatest(1, ceil(l.rate))::integer) END, l.set_at, l.set_by,
+       (SELECT count(*) FROM {schema}.jobs AS j WHERE j.queue = l.name AND j.status = 'pending'),
+       (SELECT count(*) FROM {schema}.jobs AS j WHERE j.queue = l.name AND j.status = 'running'),
+       EXISTS (SELECT FROM old)
+  FROM l;
+
+-- unlimit: remove the limits of the given queues and wake their consumers at commit (the normal fetch takes their messages again); returns the names that were limited
+WITH r AS (
+    DELETE FROM {schema}.queue_limits WHERE name = ANY (%(names)s::text[]) RETURNING name
+)
+SELECT r.name, pg_notify(%(channel)s, r.name) FROM r;
+
+-- limits: every limited queue, by name: (name, max_running, max_running_per_key, rate, burst as the fetch applies it, set_at, set_by, its pending and its running messages)
+SELECT l.name, l.max_running, l.max_running_per_key, l.rate,
+       CASE WHEN l.rate IS NOT NULL
+            THEN coalesce(l.burst, greatest(1, ceil(l.rate))::integer) END, l.set_at, l.set_by,
+       (SELECT count(*) FROM {schema}.jobs AS j WHERE j.queue = l.name AND j.status = 'pending'),
+       (SELECT count(*) FROM {schema}.jobs AS j WHERE j.queue = l.name AND j.status = 'running')
+  FROM {schema}.queue_limits AS l
+ ORDER BY l.name;
+
+-- limited_among: which of the given queues are limited (a row each in queue_limits), by name
+SELECT name FROM {schema}.queue_limits WHERE name = ANY (%(names)s::text[]) ORDER BY name;
+
+-- limited_for: the limited queues that the given consumers consume: (name, max_running, max_running_per_key, rate, burst as the fetch applies it), by name
+SELECT l.name, l.max_running, l.max_running_per_key, l.rate,
+       CASE WHEN l.rate IS NOT NULL
+            THEN coalesce(l.burst, greatest(1, ceil(l.rate))::integer) END
+  FROM {schema}.queue_limits AS l
+ WHERE l.name IN (SELECT unnest(c.queues) FROM {schema}.consumers AS c
+                   WHERE c.id = ANY (%(ids)s::uuid[]))
+ ORDER BY l.name;
+
 -- queue_stats: per-queue counts for operators
 SELECT queue,
        count(*) FILTER (WHERE status = 'pending') AS pending,
