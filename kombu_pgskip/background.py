@@ -9,9 +9,10 @@ its own:
   housekeeping statement closes it (which would release the lock);
 * the **housekeeping connection** runs what comes after each renewal: the acks consumers left
   waiting, the ``x-expires`` clocks of their queues, the sweep every ``sweep_interval``
-  (:mod:`~kombu_pgskip.sweeper`), what is paused among their queues
-  (:class:`~kombu_pgskip.pausing.PauseWatch`) and the check of the xmin horizon
-  (:class:`~kombu_pgskip.health.HorizonMonitor`, throttled by itself). Each of its statements
+  (:mod:`~kombu_pgskip.sweeper`), what is paused or limited among their queues
+  (:class:`~kombu_pgskip.pausing.PauseWatch`, :class:`~kombu_pgskip.limits.LimitWatch`) and
+  the check of the xmin horizon (:class:`~kombu_pgskip.health.HorizonMonitor`, throttled by
+  itself). Each of its statements
   waits for locks and runs only within a budget of half the renewal interval, so the next
   renewal is never late by more than that.
 
@@ -48,6 +49,7 @@ from psycopg import pq
 
 from .health import CronRunMonitor, HorizonMonitor
 from .leases import Leaseholder, LeaseRenewal
+from .limits import LimitWatch
 from .pausing import PauseWatch
 from .store import LOCK_GRACE_S, Store
 from .sweeper import MIN_STATEMENT_S, Sweeper
@@ -75,8 +77,14 @@ _TIMED_OUT = frozenset({"55P03", "57014"})
 
 class Background(threading.Thread):
     def __init__(
-        self, url: str, options: Options, holders: Callable[[], Sequence[Leaseholder]]
+        self,
+        url: str,
+        options: Options,
+        holders: Callable[[], Sequence[Leaseholder]],
+        on_limits: Callable[[set[str]], None] | None = None,
     ) -> None:
+        """``on_limits`` is told, after each renewal, which of the queues consumed here are
+        limited (``pgskip limit``)."""
         super().__init__(name="pgskip-heartbeat", daemon=True)
         self.stop_event = threading.Event()
         #: Renewals and the session lock, nothing else.
@@ -95,6 +103,7 @@ class Background(threading.Thread):
         self.horizon = HorizonMonitor(self.store, options.xmin_horizon_warning)
         self.cron_runs = CronRunMonitor(url, options.schema)
         self.pauses = PauseWatch()
+        self.limits = LimitWatch(on_limits)
         #: How long housekeeping may take after a renewal.
         self.budget = self.leases.interval / 2.0
         self._failures = 0
@@ -119,6 +128,7 @@ class Background(threading.Thread):
                     if alive:
                         self._housekeep("marking queues used", self._mark_queues(alive), deadline)
                         self._housekeep("paused queues", self._check_pauses(alive), deadline)
+                        self._housekeep("limited queues", self._check_limits(alive), deadline)
                 if now >= sweep_at:
                     if first_sweep:
                         first_sweep = False
@@ -245,6 +255,13 @@ class Background(threading.Thread):
         def check(deadline: float) -> None:
             with self.store.bounded(deadline - time.monotonic()):
                 self.pauses.check(self.store, consumers)
+
+        return check
+
+    def _check_limits(self, consumers: list[uuid.UUID]) -> Callable[[float], object]:
+        def check(deadline: float) -> None:
+            with self.store.bounded(deadline - time.monotonic()):
+                self.limits.check(self.store, consumers)
 
         return check
 

@@ -74,11 +74,13 @@ class QoS(virtual.QoS):
             self._quick_ack(delivery_tag)
             transport = channel.connection
             if transport is not None:
+                if channel.limited_rows:
+                    transport.dispatcher.settled(channel, delivery_tag)
                 transport.dispatcher.ack_queued(channel, first=first)
             return
         channel.settle("ack", [delivery_tag])
         self._quick_ack(delivery_tag)
-        channel.credit_freed()
+        channel.credit_freed(delivery_tag)
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
         if self.channel.connection is None:
@@ -86,7 +88,7 @@ class QoS(virtual.QoS):
             return
         self.channel.settle("requeue" if requeue else "fail", [delivery_tag])
         self._quick_ack(delivery_tag)
-        self.channel.credit_freed()
+        self.channel.credit_freed(delivery_tag)
 
     def _settle_after_close(self, how: str, delivery_tag: Any) -> None:
         """A task finished after its channel closed (the connection was lost meanwhile).
@@ -155,6 +157,8 @@ class Channel(virtual.Channel):
         self._tags = itertools.count(1)
         self.acks = AckBatcher(self.consumer_id)
         self.fetch_state = ChannelState()
+        #: The messages of limited queues delivered and not yet settled: row id -> queue.
+        self.limited_rows: dict[int, str] = {}
         # The fetch connection (kombu_pgskip.dispatch), opened at the first fetch.
         self.fetcher: AsyncFetcher | None = None
         self._collected: list[Collected] | None = None
@@ -690,9 +694,13 @@ class Channel(virtual.Channel):
             extra={"action": "undecodable", "message_id": row.id},
         )
 
-    def credit_freed(self) -> None:
+    def credit_freed(self, delivery_tag: object = None) -> None:
+        """A delivered message was settled (``delivery_tag``): its prefetch credit, and its
+        slot if its queue is limited, are free."""
         transport = self.connection
         if transport is not None:
+            if delivery_tag is not None and self.limited_rows:
+                transport.dispatcher.settled(self, delivery_tag)
             transport.dispatcher.wakeup()
 
     def settle(self, how: str, tags: list[Any]) -> None:

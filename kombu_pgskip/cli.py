@@ -130,6 +130,7 @@ def do_status(target: Target, as_json: bool = False) -> None:
         try:
             rows = store.queue_stats()
             paused = store.paused()
+            limits = store.limits()
         finally:
             store.close()
         oldest, current = schema_window(target.url, target.schema)
@@ -137,6 +138,7 @@ def do_status(target: Target, as_json: bool = False) -> None:
         _fail(exc)
         return
     paused_names = {str(p["name"]) for p in paused}
+    limited_names = {str(lim["name"]) for lim in limits}
     if as_json:
         _echo_json(
             {
@@ -159,6 +161,7 @@ def do_status(target: Target, as_json: bool = False) -> None:
                         ),
                         "completed_last_minute": int(r["completed_last_minute"]),
                         "paused": str(r["queue"]) in paused_names,
+                        "limited": str(r["queue"]) in limited_names,
                     }
                     for r in rows
                 ],
@@ -171,6 +174,20 @@ def do_status(target: Target, as_json: bool = False) -> None:
                         "pending": int(p["pending"]),
                     }
                     for p in paused
+                ],
+                "limits": [
+                    {
+                        "queue": str(lim["name"]),
+                        "max_running": lim["max_running"],
+                        "max_running_per_key": lim["max_running_per_key"],
+                        "rate": lim["rate"],
+                        "burst": lim["burst"],
+                        "set_at": _utc(lim["set_at"]),
+                        "set_by": str(lim["set_by"]),
+                        "running": int(lim["running"]),
+                        "pending": int(lim["pending"]),
+                    }
+                    for lim in limits
                 ],
             }
         )
@@ -194,6 +211,12 @@ def do_status(target: Target, as_json: bool = False) -> None:
         click.echo(
             f"paused: {p['name']!r} since {_fmt_time(p['paused_at'])} by {p['paused_by']}{why} "
             f"({plural(int(p['pending']), 'pending message')}; `pgskip resume {p['name']}`)"
+        )
+    for lim in limits:
+        click.echo(
+            f"limited: {lim['name']!r}: {_limits_text(lim)} since {_fmt_time(lim['set_at'])} "
+            f"by {lim['set_by']} ({plural(int(lim['running']), 'running message')}, "
+            f"{plural(int(lim['pending']), 'pending message')}; `pgskip unlimit {lim['name']}`)"
         )
     span = f"{oldest:04d}" if oldest >= current else f"{oldest:04d} to {current:04d}"
     click.echo(
@@ -247,12 +270,18 @@ def do_queue_args(
             click.echo(f"queue {queue!r}: {key} {old} -> {new}")
 
 
-def _owner_only(exc: exceptions.PermissionDenied, target: Target, what: str) -> None:
+def _owner_only(
+    exc: exceptions.PermissionDenied,
+    target: Target,
+    what: str,
+    table: str = "paused_queues",
+    privileges: str = "INSERT, DELETE",
+) -> None:
     """A permission error of a command that writes what only the schema's owner writes."""
     _fail(
         exceptions.PermissionDenied(
-            f"{what} writes {target.schema}.paused_queues, which only the schema's owner (and "
-            f"roles it grants INSERT, DELETE on it) may write: run it as the owner (--url or "
+            f"{what} writes {target.schema}.{table}, which only the schema's owner (and "
+            f"roles it grants {privileges} on it) may write: run it as the owner (--url or "
             f"PGSKIP_OWNER_URL). {exc}"
         )
     )
@@ -329,6 +358,71 @@ def do_unique_keys(target: Target, queue: str | None, limit: int, as_json: bool)
         ],
         "(no unique key held)",
     )
+
+
+def _limits_text(row: dict[str, Any]) -> str:
+    from .limits import Limit
+
+    return Limit(
+        str(row["name"]), row["max_running"], row["max_running_per_key"], row["rate"], row["burst"]
+    ).describe()
+
+
+def do_limit(
+    target: Target,
+    queue: str,
+    max_running: int | None,
+    per_key: int | None,
+    rate: str | None,
+    burst: int | None,
+) -> None:
+    from .limits import parse_rate
+
+    try:
+        per_second = None if rate is None else parse_rate(rate)
+        store = Store(target.url, schema=target.schema)
+        try:
+            row = store.set_limit(
+                queue,
+                max_running=max_running,
+                max_running_per_key=per_key,
+                rate=per_second,
+                burst=burst,
+            )
+        finally:
+            store.close()
+    except exceptions.PermissionDenied as exc:
+        _owner_only(exc, target, "limiting", "queue_limits", "INSERT, UPDATE, DELETE")
+        return
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    state = "limits replaced" if row["replaced"] else "limited"
+    click.echo(
+        f"queue {queue!r}: {state}: {_limits_text(row)}, across every worker "
+        f"({plural(int(row['running']), 'running message')}, "
+        f"{plural(int(row['pending']), 'pending message')}; `pgskip unlimit {queue}`)"
+    )
+
+
+def do_unlimit(target: Target, queues: Sequence[str], unlimit_all: bool) -> None:
+    try:
+        store = Store(target.url, schema=target.schema)
+        try:
+            names = [str(r["name"]) for r in store.limits()] if unlimit_all else list(queues)
+            removed = store.unlimit(names) if names else []
+        finally:
+            store.close()
+    except exceptions.PermissionDenied as exc:
+        _owner_only(exc, target, "unlimiting", "queue_limits", "INSERT, UPDATE, DELETE")
+        return
+    except exceptions.PgSkipError as exc:
+        _fail(exc)
+        return
+    if unlimit_all and not names:
+        click.echo("no queue is limited")
+    for queue in sorted(set(names)):
+        click.echo(f"queue {queue!r}: {'unlimited' if queue in removed else 'was not limited'}")
 
 
 def do_revoke(target: Target, task_ids: Sequence[str], app: Any = None) -> None:
@@ -976,8 +1070,8 @@ def status_cmd(ctx: click.Context, as_json: bool, url: str | None, schema: str |
     """Per-queue counts, and the schema's version.
 
     A table per queue: pending, running, scheduled, failed, oldest pending, done per minute;
-    the paused queues (`pgskip pause`); then the schema's version and the code versions that
-    run against it.
+    the paused queues (`pgskip pause`), the limited ones (`pgskip limit`); then the schema's
+    version and the code versions that run against it.
 
     \b
     --json prints:
@@ -985,9 +1079,12 @@ def status_cmd(ctx: click.Context, as_json: bool, url: str | None, schema: str |
      "package_schema_version": 22, "version": "0.1.0",
      "queues": [{"queue": "default", "pending": 3, "running": 1, "scheduled": 0,
                  "failed": 0, "oldest_pending_age": 2.5, "completed_last_minute": 40,
-                 "paused": false}],
+                 "paused": false, "limited": false}],
      "paused": [{"queue": "reports", "paused_at": "2026-01-31T12:00:00+00:00",
-                 "paused_by": "app_owner", "reason": "deploy", "pending": 120}]}
+                 "paused_by": "app_owner", "reason": "deploy", "pending": 120}],
+     "limits": [{"queue": "emails", "max_running": 5, "max_running_per_key": 1,
+                 "rate": 10.0, "burst": 10, "set_at": "2026-01-31T12:00:00+00:00",
+                 "set_by": "app_owner", "running": 5, "pending": 300}]}
     """
     do_status(_target(ctx, url, schema), as_json)
 
@@ -1132,6 +1229,82 @@ def resume_cmd(
     if bool(queues) == resume_all:
         raise click.UsageError("name the queues to resume, or pass --all", ctx)
     do_resume(_target(ctx, url, schema), queues, resume_all)
+
+
+@pgskip.command(name="limit")
+@click.argument("queue")
+@click.option(
+    "--max-running",
+    type=click.IntRange(min=1, max=2**31 - 1),
+    default=None,
+    metavar="N",
+    help="At most N of its messages running at once.",
+)
+@click.option(
+    "--per-key",
+    type=click.IntRange(min=1, max=2**31 - 1),
+    default=None,
+    metavar="N",
+    help="At most N running per concurrency key.",
+)
+@click.option(
+    "--rate",
+    default=None,
+    metavar="R",
+    help="At most R started: 10/s, 100/m, 1000/h, 2.5.",
+)
+@click.option(
+    "--burst",
+    type=click.IntRange(min=1, max=2**31 - 1),
+    default=None,
+    metavar="N",
+    help="Starts at once after idling (--rate).",
+)
+@_owner_url_option
+@_schema_option
+@click.pass_context
+def limit_cmd(
+    ctx: click.Context,
+    queue: str,
+    max_running: int | None,
+    per_key: int | None,
+    rate: str | None,
+    burst: int | None,
+    url: str | None,
+    schema: str | None,
+) -> None:
+    """Limit a queue across every worker.
+
+    As the schema's owner. From the commit on, every worker together runs at most
+    --max-running of its messages at once, at most --per-key of one concurrency key
+    (apply_async(..., pgskip_concurrency_key=...)), and starts at most --rate of them (a
+    bucket of --burst tokens, by default the rate per second rounded up). Replaces the
+    queue's limits: a limit not given is not set. Kept in the database: workers started later
+    honour it too (docs/limits.md)."""
+    if max_running is None and per_key is None and rate is None:
+        raise click.UsageError("give --max-running, --per-key or --rate (or see unlimit)", ctx)
+    do_limit(_target(ctx, url, schema), queue, max_running, per_key, rate, burst)
+
+
+@pgskip.command(name="unlimit")
+@click.argument("queues", nargs=-1)
+@click.option("--all", "unlimit_all", is_flag=True, help="Remove every queue's limits.")
+@_owner_url_option
+@_schema_option
+@click.pass_context
+def unlimit_cmd(
+    ctx: click.Context,
+    queues: tuple[str, ...],
+    unlimit_all: bool,
+    url: str | None,
+    schema: str | None,
+) -> None:
+    """Remove the limits of queues.
+
+    As the schema's owner; their workers fetch at once."""
+    if bool(queues) == unlimit_all:
+        raise click.UsageError("name the queues to unlimit, or pass --all", ctx)
+    do_unlimit(_target(ctx, url, schema), queues, unlimit_all)
 
 
 @pgskip.command(name="beat-sync", cls=AppCommand)

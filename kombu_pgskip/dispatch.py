@@ -14,7 +14,10 @@ Both ask :class:`~kombu_pgskip.policy.FetchPolicy` when to fetch and how much, a
 each fetch found; the sockets are :class:`~kombu_pgskip.poller.Poller`'s. A channel's fetch is
 one statement: ``ack_fetch`` writes its queued acks and takes up to its free prefetch credit
 (on the channel's fetch connection, :class:`~kombu_pgskip.fetcher.AsyncFetcher`, or its
-transport's consumer connection), plus one for its no-ack queues when they are due.
+transport's consumer connection), plus one for its no-ack queues when they are due, and
+before it one per limited queue that is due (``fetch_limited`` on the transport's consumer
+connection, carrying the queued acks so that the slots they free count:
+:class:`~kombu_pgskip.policy.LimitGate` says which, and when).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from . import policy as fetch_policy
-from .envelope import decode_problem, make_tag, to_message
-from .policy import FetchPolicy, Next, Wake
+from .envelope import decode_problem, make_tag, parse_tag, to_message
+from .policy import FetchPolicy, LimitGate, Next, Wake
 from .poller import Poller, Ready
 from .store import START, FetchedRow, fetch_filled, last_positions
 
@@ -43,6 +46,9 @@ class Dispatcher:
         self.transport = transport
         self.options = options
         self.policy = FetchPolicy.of(options)
+        self.limits = LimitGate(options.polling_interval)
+        #: When the timer set for the next limited fetch fires (event loop), if one is set.
+        self._limits_timer: float | None = None
         self.poller = Poller(
             transport.url,
             schema=options.schema,
@@ -91,6 +97,20 @@ class Dispatcher:
         self.policy.drained = False
         self.wakeup()
 
+    def limits_known(self, names: set[str]) -> None:
+        """The queues consumed here that are limited are ``names`` (the background thread's
+        housekeeping, any thread): a queue newly limited is fetched at once."""
+        if self.limits.known(names):
+            self.consumers_changed()
+
+    def settled(self, channel: Channel, delivery_tag: object) -> None:
+        """A message ``channel`` delivered was acked or rejected (any thread): if it was of a
+        limited queue found at its limit, that queue's next fetch is due (the ack or reject
+        itself asks for a fetch, which carries it)."""
+        queue = channel.limited_rows.pop(parse_tag(delivery_tag)[0], None)
+        if queue is not None:
+            self.limits.settled(queue)
+
     def ack_queued(self, channel: Channel, *, first: bool) -> None:
         """An ack of ``channel`` was queued (on any thread): see ``FetchPolicy.ack_queued``."""
         wake = self.policy.ack_queued(channel.fetch_state, first=first)
@@ -110,6 +130,7 @@ class Dispatcher:
             self.policy.scheduled(now, notes.scheduled_in)
         queues = notes.queues & self.consumed_queues()
         if queues:
+            self.limits.notified(queues)
             self.policy.notified(now)
             for channel in self._channels():
                 if channel.no_ack_queues and not channel.no_ack_queues.isdisjoint(queues):
@@ -146,6 +167,7 @@ class Dispatcher:
             promoted = policy.promote_due(now) and self._promote(now) > 0
             if call.should_fetch(now, promoted=promoted):
                 delivered = self.deliver_batch()
+                policy.limits_at = self.limits.next_at(time.monotonic())
                 more = policy.more_due or any(c.fetch_state.starved for c in self._channels())
                 call.fetched(time.monotonic(), more_due=more, full_scan_at=policy.full_scan_owed_at)
                 if delivered:
@@ -330,6 +352,7 @@ class Dispatcher:
             )
         for _ in range(max_batches):
             delivered = self.deliver_batch(only, eager=eager)
+            self._arm_limits_timer()
             if self.policy.refill_deferred:
                 poller.call_later_once("refill", fetch_policy.REFILL_DELAY, self.refill)
             if self.policy.full_scan_owed_at is not None:
@@ -343,6 +366,21 @@ class Dispatcher:
 
     def refill(self) -> None:
         self.loop_drain(eager=True)
+
+    def _arm_limits_timer(self) -> None:
+        """Set a timer for when the next limited queue that waits is due (its bucket's next
+        token, or the poll), unless one is set for that time or earlier."""
+        now = time.monotonic()
+        at = self.limits.next_at(now)
+        if at is None or (self._limits_timer is not None and now < self._limits_timer <= at):
+            return
+        self._limits_timer = at
+        self.poller.call_later(max(0.0, at - now), self._limits_tick)
+
+    def _limits_tick(self) -> None:
+        if self._limits_timer is not None and time.monotonic() >= self._limits_timer - 0.001:
+            self._limits_timer = None
+        self.loop_drain()
 
     # -- fetch and deliver --------------------------------------------------------------------
 
@@ -418,6 +456,9 @@ class Dispatcher:
                 noack_queues, limit, channel.consumer_id, no_ack=True, max_bytes=max_bytes
             )
             state.noack_due = fetch_filled(out, limit)  # more may be due
+        limited = self.limits.due(ack_queues, now) if len(out) < limit else []
+        if limited:
+            out += self._fetch_limited(channel, limited, limit - len(out))
         if not ack_queues or len(out) >= limit:
             channel.flush_acks()
         else:
@@ -428,7 +469,7 @@ class Dispatcher:
                     fetcher.send(
                         pairs,
                         ack_queues,
-                        limit,
+                        limit - len(out),
                         channel.consumer_id,
                         self._urgent_queues(),
                         after=starts,
@@ -436,9 +477,9 @@ class Dispatcher:
                 acks.sent_with_fetch(pairs)
                 self.policy.sent(state, time.monotonic())
                 if not looped:  # kombu's blocking drain_events
-                    return self._wait_fetch(channel, fetcher)
+                    return out + self._wait_fetch(channel, fetcher)
                 self.poller.watch(fetcher, fetcher.fileno(), self._on_fetch_readable, channel)
-                return []
+                return out  # the limited fetches' rows; the reply brings the others'
             with acks.writing(pairs):
                 done, rows = store.ack_fetch(
                     pairs,
@@ -455,9 +496,44 @@ class Dispatcher:
             took=len(out),
             filled=fetch_filled(out, limit),
             now=time.monotonic(),
-            last=last_positions([r for r in out if r.queue not in channel.no_ack_queues]),
+            last=last_positions(
+                [r for r in out if r.queue not in channel.no_ack_queues and r.queue not in limited]
+            ),
         )
         return out
+
+    def _fetch_limited(self, channel: Channel, queues: list[str], credit: int) -> list[FetchedRow]:
+        """The limited fetches of ``queues`` for ``channel``, up to ``credit`` messages in all,
+        one queue after the other; the first carries the channel's queued acks (the slots they
+        free count). What each finds tells :attr:`limits` when the queue is due again."""
+        store = self.transport.consumer_store
+        acks = channel.acks
+        pairs = acks.take()
+        taken: list[FetchedRow] = []
+        for queue in queues:
+            asked = credit - len(taken)
+            if asked <= 0:
+                break  # the rest stay due: the next fetch, once credit is freed
+            with acks.writing(pairs):
+                result = store.fetch_limited(queue, asked, channel.consumer_id, acks=pairs)
+            if pairs:
+                acks.written(len(pairs), result.acked)
+                pairs = []
+            self.limits.fetched(
+                queue,
+                time.monotonic(),
+                asked=asked,
+                took=len(result.rows),
+                limited=result.limited,
+                more=result.more,
+                free=result.free,
+                tokens=result.tokens,
+                rate=result.rate,
+            )
+            for row in result.rows:
+                channel.limited_rows[row.id] = queue
+            taken += result.rows
+        return taken
 
     def _wait_fetch(self, channel: Channel, fetcher: AsyncFetcher) -> list[FetchedRow]:
         """Wait for the fetch in flight (outside an event loop, or at close); its rows. If it

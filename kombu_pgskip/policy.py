@@ -28,6 +28,12 @@ statements are :mod:`~kombu_pgskip.poller`'s and :mod:`~kombu_pgskip.dispatch`'s
   duration has passed, so that such scans take at most a fifth of the time. A channel never
   goes idle on a scan from its positions that came back short: one from the beginning follows,
   when due.
+* **Limited queues** (``pgskip limit``) are fetched one by one, each by a statement of its own
+  (:class:`LimitGate` says which, and when): at once while the last fetch took all it asked
+  for; once one found the queue at its limit, again when this process settles one of its
+  messages, when its bucket's next token is due, or ``polling_interval`` later (another
+  worker may have freed a slot: nothing tells this one); once one found it drained, at a
+  notification for it or ``polling_interval`` later. Never in a loop of empty fetches.
 * **No-ack queues** (remote control, events) are fetched when due: a notification for one,
   the poll, a promotion, a new consumer, or a task fetch that saw a message waiting in one.
   Only in the event loop with notifications and task fetches that tell; elsewhere, every time.
@@ -102,6 +108,107 @@ class Cooldown:
             self.value = max(self.base, self.value * self.SHRINK)
         else:
             self.value = min(self.ceiling, self.value * self.GROW)
+
+
+@dataclass
+class LimitedQueue:
+    """When the limited fetch of one queue goes next (:class:`LimitGate`)."""
+
+    #: Not before this (monotonic s); 0: at the next fetch.
+    retry_at: float = 0.0
+    #: A notification for the queue (a new message) makes it due at once: it was drained.
+    on_notify: bool = False
+    #: Its last fetch found it at its limit: a message of it settled here makes it due.
+    on_settle: bool = False
+
+
+class LimitGate:
+    """Which limited queues (``pgskip limit``, migration 0025) the next fetch takes from, and
+    when the next is due: one state object, no I/O.
+
+    The normal fetch skips a limited queue whatever this object knows (the SQL does), so what
+    it holds decides only when the limited fetches go, never whether a limit holds. It learns
+    the limited queues from the housekeeping thread (:meth:`known`) and from each limited
+    fetch (one that finds no limits any more drops the queue).
+    """
+
+    def __init__(self, polling_interval: float) -> None:
+        self.polling_interval = polling_interval
+        self.queues: dict[str, LimitedQueue] = {}
+
+    def known(self, names: set[str]) -> bool:
+        """The limited queues are ``names`` (of those this process consumes); True if one is
+        new here (a fetch is owed: the normal fetch no longer takes its messages)."""
+        new = names - self.queues.keys()
+        for name in self.queues.keys() - names:
+            del self.queues[name]
+        for name in new:
+            self.queues[name] = LimitedQueue()
+        return bool(new)
+
+    def due(self, queues: list[str], now: float) -> list[str]:
+        """Which of ``queues`` (a channel's) to fetch now, in that order."""
+        return [
+            q for q in queues if (state := self.queues.get(q)) is not None and now >= state.retry_at
+        ]
+
+    def next_at(self, now: float) -> float | None:
+        """When the earliest queue that waits beyond ``now`` is due (monotonic s); None: none
+        does. (One due already waits for credit, which a settle frees and fetches with.)"""
+        waiting = [s.retry_at for s in list(self.queues.values()) if s.retry_at > now]
+        return min(waiting, default=None)
+
+    def notified(self, queues: set[str]) -> None:
+        """Notifications for ``queues`` arrived: those that were drained are due."""
+        for name in queues:
+            state = self.queues.get(name)
+            if state is not None and state.on_notify:
+                state.retry_at, state.on_notify = 0.0, False
+
+    def settled(self, queue: str) -> bool:
+        """A message of ``queue`` that this process took was settled (its slot freed); True
+        if that makes the queue due."""
+        state = self.queues.get(queue)
+        if state is None or not state.on_settle:
+            return False
+        state.retry_at, state.on_settle = 0.0, False
+        return True
+
+    def fetched(
+        self,
+        queue: str,
+        now: float,
+        *,
+        asked: int,
+        took: int,
+        limited: bool,
+        more: bool,
+        free: int | None,
+        tokens: float | None,
+        rate: float | None,
+    ) -> None:
+        """A limited fetch of ``queue`` at ``now`` asked for ``asked`` messages and took
+        ``took``; what it found: see :class:`~kombu_pgskip.store.LimitedFetch`."""
+        if not limited:
+            self.queues.pop(queue, None)  # the normal fetch takes it again
+            return
+        state = self.queues.setdefault(queue, LimitedQueue())
+        poll = now + self.polling_interval
+        if took >= asked:
+            # Stopped by the prefetch credit: due again at the next fetch, which freed
+            # credit brings (the channel counts as starved).
+            state.retry_at, state.on_notify, state.on_settle = 0.0, False, False
+        elif not more:
+            state.retry_at, state.on_notify, state.on_settle = poll, True, False
+        elif free is not None and free <= 0:
+            state.retry_at, state.on_notify, state.on_settle = poll, False, True
+        elif tokens is not None and rate and tokens < 1.0:
+            token = now + (1.0 - tokens) / rate
+            state.retry_at, state.on_notify, state.on_settle = min(poll, token), False, True
+        else:
+            # Every message looked at waits for a slot of its key (or another session holds
+            # it locked): a settle here, or the poll.
+            state.retry_at, state.on_notify, state.on_settle = poll, False, True
 
 
 @dataclass
@@ -185,6 +292,8 @@ class FetchPolicy:
     #: wait to ride along); when the current call first read a notification.
     drained: bool = False
     poll_at: float = 0.0
+    #: When the next limited queue that waits is due (:class:`LimitGate`; None: none waits).
+    limits_at: float | None = None
     ack_wait_pays: bool = True
     notified_at: float | None = None
 
@@ -377,7 +486,8 @@ class DrainCall:
         policy.notified_at = None
 
     def should_fetch(self, now: float, *, promoted: bool) -> bool:
-        if promoted or now >= self.policy.poll_at:
+        limits_at = self.policy.limits_at
+        if promoted or now >= self.policy.poll_at or (limits_at is not None and now >= limits_at):
             self.fetch_at = now
         return self.fetch_at is not None and now >= self.fetch_at
 
@@ -394,6 +504,8 @@ class DrainCall:
         """How long to wait for a wake-up; None: the call's ``timeout`` has passed."""
         policy = self.policy
         wait = min(policy.poll_at, policy.next_promote) - now
+        if policy.limits_at is not None:
+            wait = min(wait, policy.limits_at - now)
         if self.fetch_at is not None:
             wait = min(wait, self.fetch_at - now)
         if acks_waiting:

@@ -100,13 +100,14 @@ class LimitedFetch:
     messages). ``free``: slots under ``max_running`` left after it (None: no such limit).
     ``tokens``: tokens left in the bucket (None: no rate). ``more``: due messages were left
     behind (for lack of credit, of a slot, of a token, or of a slot of their key). ``acked``:
-    how many of the acks it carried were still this consumer's."""
+    how many of the acks it carried were still this consumer's. ``rate``: the queue's."""
 
     rows: list[FetchedRow]
     limited: bool
     free: int | None
     tokens: float | None
     more: bool
+    rate: float | None = None
     acked: int = 0
 
 
@@ -956,11 +957,12 @@ class Store:
             done = len(acked()) if acked is not None else 0
         head = rows[0]
         return LimitedFetch(
-            rows=fetched_rows([r[4:15] for r in rows if r[4] is not None]),
+            rows=fetched_rows([r[5:16] for r in rows if r[5] is not None]),
             limited=bool(head[0]),
             free=None if head[1] is None else int(head[1]),
             tokens=None if head[2] is None else float(head[2]),
             more=bool(head[3]),
+            rate=None if head[4] is None else float(head[4]),
             acked=done,
         )
 

@@ -319,7 +319,12 @@ class Transport(virtual.Transport):
             if channel not in self._consumers:
                 self._consumers.append(channel)
             if self._background is None or not self._background.is_alive():
-                self._background = Background(self.url, self.options, self.consumer_channels)
+                self._background = Background(
+                    self.url,
+                    self.options,
+                    self.consumer_channels,
+                    on_limits=self.dispatcher.limits_known,
+                )
                 self._background.start()
 
     def forget_consumer(self, channel: PgChannel) -> None:

@@ -142,7 +142,7 @@ RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts + 1
 -- and a change of the limits (pgskip limit, unlimit) waits for the fetch in progress.
 SELECT 1 FROM {schema}.queue_limits WHERE name = %(queue)s FOR NO KEY UPDATE;
 
--- fetch_limited: (after limit_lock, in its transaction) take up to limit due messages of one limited queue (migration 0025), within its limits: no more than max_running minus its running messages, than max_running_per_key minus the running messages of each concurrency key, than the whole tokens of its bucket (refilled at rate per second since refilled_at, holding at most burst, by default max(1, ceil(rate))); mark them running as fetch does, spend the tokens; one row (limited, free, tokens, more) left-joined to the rows taken, as take returns them: limited is false when the queue has no limits (any more), free the running slots left (NULL: no max_running), tokens those left (NULL: no rate), more whether due messages were left behind
+-- fetch_limited: (after limit_lock, in its transaction) take up to limit due messages of one limited queue (migration 0025), within its limits: no more than max_running minus its running messages, than max_running_per_key minus the running messages of each concurrency key, than the whole tokens of its bucket (refilled at rate per second since refilled_at, holding at most burst, by default max(1, ceil(rate))); mark them running as fetch does, spend the tokens; one row (limited, free, tokens, more, rate) left-joined to the rows taken, as take returns them: limited is false when the queue has no limits (any more), free the running slots left (NULL: no max_running), tokens those left (NULL: no rate), more whether due messages were left behind
 -- The running messages are counted through jobs_running_rows (every running message of every
 -- queue, a worker's executing and prefetched ones), per key only with a per-key limit. The
 -- candidates are read without locks in delivery order, at most window of them with a per-key
@@ -222,12 +222,13 @@ WITH lim AS (
      WHERE l.name = %(queue)s AND b.rate IS NOT NULL
     RETURNING l.tokens
 )
-SELECT s.limited, s.free, s.tokens, s.more, t.id, t.queue, t.payload, t.redelivered, t.attempts,
+SELECT s.limited, s.free, s.tokens, s.more, s.rate, t.id, t.queue, t.payload, t.redelivered, t.attempts,
        t.expires_at, t.priority, t.rn, t.delivery, t.budget_full, t.run_at
   FROM (SELECT EXISTS (SELECT FROM lim) AS limited,
                (SELECT free - (SELECT count(*) FROM taken) FROM budget) AS free,
                (SELECT tokens FROM spent) AS tokens,
-               (SELECT count(*) FROM candidates) > (SELECT count(*) FROM taken) AS more) AS s
+               (SELECT count(*) FROM candidates) > (SELECT count(*) FROM taken) AS more,
+               (SELECT rate FROM lim) AS rate) AS s
   LEFT JOIN taken AS t ON true;
 
 -- ack: mark delivered messages completed (fenced); ids[k] was delivered with the token deliveries[k]. Rows are found by id and their tokens looked up in the array, not joined to unnest(): a prepared statement's generic plan, which cannot know the arrays' sizes, then still reads each row once
