@@ -835,6 +835,39 @@ def test_only_the_owner_pauses_or_resumes_a_queue(tidy: Deployment) -> None:
     assert "queue 'held': resumed" in done.stdout
 
 
+def test_only_the_owner_sets_or_removes_a_queues_limits(tidy: Deployment) -> None:
+    """A limit slows a queue for the whole fleet: neither a publisher nor a worker may set one
+    (a denial of service) or lift one the owner set, by the CLI or by SQL; a worker only
+    spends the bucket's tokens, which every limited fetch does."""
+    with psycopg.connect(tidy.url("owner"), autocommit=True) as conn:
+        conn.execute("INSERT INTO pgskip.queue_limits (name, max_running) VALUES ('held', 1)")
+    for role in ATTACKERS:
+        for command in (["limit", "celery", "--max-running", "1"], ["unlimit", "held"]):
+            done = subprocess.run(
+                [sys.executable, "-m", "kombu_pgskip", *command, "--url", tidy.url(role)],
+                cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            assert done.returncode == 1, done.stdout
+            assert "only the schema's owner" in done.stderr, done.stderr
+        with psycopg.connect(tidy.url(role), autocommit=True) as conn:
+            for statement in (
+                "INSERT INTO pgskip.queue_limits (name, max_running) VALUES ('celery', 1)",
+                "DELETE FROM pgskip.queue_limits",
+                "UPDATE pgskip.queue_limits SET max_running = 1000",
+                "UPDATE pgskip.queue_limits SET name = 'celery'",
+                "TRUNCATE pgskip.queue_limits",
+            ):
+                _denied(conn, statement)
+    assert rows(tidy.db_url, "SELECT name, max_running FROM pgskip.queue_limits") == [("held", 1)]
+    # A worker takes the messages of `celery` and runs the limited fetch of `held`.
+    store = Store(broker(tidy.url("worker")))
+    try:
+        assert len(store.fetch(["celery", "held"], 3, tidy.consumer)) == 3
+        assert store.fetch_limited("held", 3, tidy.consumer).limited
+    finally:
+        store.close()
+
+
 @contextmanager
 def _granted_before(
     server: PgServer, db_url: str, tmp_path: Any, version: int
@@ -858,6 +891,8 @@ def _granted_before(
         ):
             text = g.text()
             if version <= 21 and "paused_queues" in text:
+                continue
+            if version <= 25 and "queue_limits" in text:
                 continue
             if version <= 23 and '"unique_key"' in text:
                 text = text.replace(', "unique_key", "concurrency_key"', "")
@@ -907,6 +942,39 @@ def test_migration_0021_lets_workers_granted_before_it_read_the_paused_queues(
         with psycopg.connect(db_url) as conn:
             assert conn.execute(privilege, (worker.name,)).fetchone() == (True,)
             assert conn.execute(privilege, (publisher.name,)).fetchone() == (False,)
+
+
+def test_migration_0025_lets_workers_granted_before_it_run_the_limited_fetch(
+    any_pg_server: PgServer, versioned_empty_db_url: str, tmp_path: Any
+) -> None:
+    """The limited fetch reads queue_limits and spends its tokens: a worker role granted by an
+    older `pgskip grant` gets that and nothing more after the upgrade (it cannot set a limit),
+    and a publisher role gets nothing."""
+    db_url = versioned_empty_db_url
+    with _granted_before(any_pg_server, db_url, tmp_path, 25) as (worker, publisher):
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute("INSERT INTO pgskip.queue_limits (name, rate) VALUES ('q', 100)")
+        store = Store(broker(worker.url(db_url)))
+        try:
+            store.publish(NewMessage("q", 0, "pending", None, '{"n": 1}', "t", "1", None))
+            consumer = uuid.uuid4()
+            store.register_consumer(consumer, hostname="w", queues=["q"], lease=30)
+            got = store.fetch_limited("q", 10, consumer)
+            assert len(got.rows) == 1 and got.tokens is not None
+        finally:
+            store.close()
+        with psycopg.connect(db_url) as conn:
+            limits = (
+                "SELECT has_table_privilege(%(r)s, 'pgskip.queue_limits', 'SELECT'),"
+                " has_column_privilege(%(r)s, 'pgskip.queue_limits', 'tokens', 'UPDATE'),"
+                " has_column_privilege(%(r)s, 'pgskip.queue_limits', 'refilled_at', 'UPDATE'),"
+                " has_column_privilege(%(r)s, 'pgskip.queue_limits', 'max_running', 'UPDATE'),"
+                " has_table_privilege(%(r)s, 'pgskip.queue_limits', 'INSERT, DELETE')"
+            )
+            assert conn.execute(limits, {"r": worker.name}).fetchone() == (
+                True, True, True, False, False,
+            )  # fmt: skip
+            assert conn.execute(limits, {"r": publisher.name}).fetchone() == (False,) * 5
 
 
 def test_a_publisher_cannot_revoke_a_waiting_message(tidy: Deployment) -> None:
