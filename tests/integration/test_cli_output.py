@@ -99,9 +99,11 @@ def test_status_json(db_url: str) -> None:
                 "failed": 1,
                 "completed_last_minute": 0,
                 "paused": False,
+                "limited": False,
             }
         ],
         "paused": [],
+        "limits": [],
     }
 
 
