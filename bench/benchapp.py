@@ -1,8 +1,10 @@
 """The tiny Celery app every benchmark worker runs, whatever the broker.
 
-Its one task, ``bench.noop``, does nothing but append ``<index> <time.time()>`` to a file of its
-own process in ``$BENCH_STAMP_DIR``: the benchmark reads those files afterwards, so the same
-broker-neutral clock measures every broker. Configuration comes from the environment:
+Its task ``bench.noop`` does nothing but append ``<index> <time.time()>`` to a file of its own
+process in ``$BENCH_STAMP_DIR``: the benchmark reads those files afterwards, so the same
+broker-neutral clock measures every broker. ``bench.span`` sleeps for the seconds it is given
+and appends ``<index> <start> <end>`` to a ``spans-<pid>.txt`` file there (:mod:`bench.limits`
+counts how many ran at once). Configuration comes from the environment:
 
 * ``BENCH_BROKER_URL``: the broker (``pgskip://``, ``amqp://``, ``redis://``, ``sqla+...``)
 * ``BENCH_QUEUE``: the queue to consume (a fresh name per measurement)
@@ -74,6 +76,16 @@ def make_app(
         t = time.time()
         with _lock:
             _stamp_file().write(f"{i} {t:.6f}\n")
+
+    @app.task(name="bench.span", shared=False)
+    def span(i: int = 0, seconds: float = 0.0) -> None:
+        t0 = time.time()
+        if seconds:
+            time.sleep(seconds)
+        t1 = time.time()
+        directory = os.environ.get("BENCH_STAMP_DIR") or "/tmp"
+        with _lock, open(os.path.join(directory, f"spans-{os.getpid()}.txt"), "a") as out:
+            out.write(f"{i} {t0:.6f} {t1:.6f}\n")
 
     return app
 
