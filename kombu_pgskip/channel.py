@@ -279,10 +279,23 @@ class Channel(virtual.Channel):
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         validate_queue_name(queue)
         self.ensure_registered([queue])
-        rows = self.consumer_store.fetch([queue], 1, self.consumer_id)
+        rows = self._take_one(queue)
         if not rows:
             raise Empty()
         return to_message(rows[0])
+
+    def _take_one(self, queue: str, *, no_ack: bool = False) -> list[FetchedRow]:
+        """One message of ``queue`` (``basic_get``): the normal fetch, or, for a queue this
+        process knows to be limited (``pgskip limit``), the limited fetch, which keeps to its
+        limits and leaves the message counted as running until it is settled."""
+        store = self.consumer_store
+        transport = self.connection
+        if no_ack or transport is None or queue not in transport.dispatcher.limits.queues:
+            return store.fetch([queue], 1, self.consumer_id, no_ack=no_ack)
+        rows = store.fetch_limited(queue, 1, self.consumer_id).rows
+        for row in rows:
+            self.limited_rows[row.id] = queue
+        return rows
 
     def _purge(self, queue: str) -> int:
         return self.store.purge(validate_queue_name(queue))
@@ -519,7 +532,7 @@ class Channel(virtual.Channel):
         """Take one message; with ``no_ack`` it is deleted as it is taken."""
         validate_queue_name(queue)
         self.ensure_registered([queue])
-        rows = self.consumer_store.fetch([queue], 1, self.consumer_id, no_ack=no_ack)
+        rows = self._take_one(queue, no_ack=no_ack)
         if not rows:
             return None
         message = self.Message(to_message(rows[0]), channel=self)
