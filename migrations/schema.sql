@@ -772,6 +772,71 @@ COMMENT ON COLUMN pgskip.paused_queues.paused_by IS 'the role that paused it';
 COMMENT ON COLUMN pgskip.paused_queues.reason IS 'what the operator said when pausing (--reason)';
 
 --
+-- Name: queue_limits; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.queue_limits (
+    name text NOT NULL,
+    max_running integer,
+    max_running_per_key integer,
+    rate double precision,
+    burst integer,
+    tokens double precision,
+    refilled_at timestamp with time zone,
+    set_at timestamp with time zone DEFAULT now() NOT NULL,
+    set_by text DEFAULT CURRENT_USER NOT NULL,
+    CONSTRAINT queue_limits_burst_check CHECK ((burst > 0)),
+    CONSTRAINT queue_limits_check CHECK (((max_running IS NOT NULL) OR (max_running_per_key IS NOT NULL) OR (rate IS NOT NULL))),
+    CONSTRAINT queue_limits_check1 CHECK (((burst IS NULL) OR (rate IS NOT NULL))),
+    CONSTRAINT queue_limits_max_running_check CHECK ((max_running > 0)),
+    CONSTRAINT queue_limits_max_running_per_key_check CHECK ((max_running_per_key > 0)),
+    CONSTRAINT queue_limits_name_check CHECK (((octet_length(name) >= 1) AND (octet_length(name) <= 255))),
+    CONSTRAINT queue_limits_rate_check CHECK (((rate > (0)::double precision) AND (rate < 'Infinity'::double precision)))
+);
+
+--
+-- Name: TABLE queue_limits; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON TABLE pgskip.queue_limits IS 'queues whose messages only the limited fetch takes, within these limits (pgskip limit / unlimit)';
+
+--
+-- Name: COLUMN queue_limits.max_running; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.queue_limits.max_running IS 'most messages of the queue running at once, across every worker';
+
+--
+-- Name: COLUMN queue_limits.max_running_per_key; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.queue_limits.max_running_per_key IS 'most messages of one jobs.concurrency_key running at once';
+
+--
+-- Name: COLUMN queue_limits.rate; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.queue_limits.rate IS 'most messages started per second (a token bucket)';
+
+--
+-- Name: COLUMN queue_limits.burst; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.queue_limits.burst IS 'most tokens the bucket holds; NULL: max(1, ceil(rate))';
+
+--
+-- Name: COLUMN queue_limits.tokens; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.queue_limits.tokens IS 'tokens left at refilled_at (written by the limited fetch); NULL: a full bucket';
+
+--
+-- Name: COLUMN queue_limits.set_by; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.queue_limits.set_by IS 'the role that set the limits';
+
+--
 -- Name: queues; Type: TABLE; Schema: pgskip; Owner: -
 --
 
@@ -846,6 +911,13 @@ ALTER TABLE ONLY pgskip.migrations
 
 ALTER TABLE ONLY pgskip.paused_queues
     ADD CONSTRAINT paused_queues_pkey PRIMARY KEY (name);
+
+--
+-- Name: queue_limits queue_limits_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.queue_limits
+    ADD CONSTRAINT queue_limits_pkey PRIMARY KEY (name);
 
 --
 -- Name: queues queues_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
