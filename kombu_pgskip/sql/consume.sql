@@ -160,8 +160,9 @@ WITH lim AS (
            END AS tokens
       FROM {schema}.queue_limits AS l
      WHERE l.name = %(queue)s
-), counted AS (
-    -- A paused queue (migration 0021) takes nothing: no row here.
+), counted AS MATERIALIZED (
+    -- A paused queue (migration 0021) takes nothing: no row here. (Materialized: the running
+    -- messages are counted once, not for each reference to free.)
     SELECT lim.*,
            CASE WHEN lim.max_running IS NOT NULL
                 THEN greatest(0, lim.max_running - (SELECT count(*) FROM {schema}.jobs AS r

@@ -282,3 +282,31 @@ def test_the_commands_limit_unlimit_and_status(store: Store, db_url: str) -> Non
         "queue 'reports': unlimited",
     ]
     assert _run("unlimit", "--all", "--url", db_url).stdout == "no queue is limited\n"
+
+
+def test_the_limited_fetch_reads_jobs_through_its_indexes_only(store: Store, db_url: str) -> None:
+    """The candidates through the dequeue index, the running messages through the index of
+    running rows, the picked ones by id: no scan of the whole table, however long it is."""
+    from psycopg import sql
+
+    from kombu_pgskip.sql import queries_for
+
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO pgskip.jobs (queue, payload, concurrency_key)"
+            " SELECT 'q' || (g % 5), '{}', 'k' || (g % 50) FROM generate_series(1, 20000) AS g"
+        )
+        conn.execute("ANALYZE pgskip.jobs")
+    store.set_limit("q1", max_running=100, max_running_per_key=2, rate=1000.0)
+    c = _consumer(store, ["q1"])
+    assert len(store.fetch_limited("q1", 10, c).rows) == 10
+    query = sql.SQL("EXPLAIN (COSTS OFF) ") + queries_for("pgskip")["fetch_limited"]
+    with psycopg.connect(db_url) as conn:
+        plan = "\n".join(
+            str(r[0])
+            for r in conn.execute(
+                query, {"queue": "q1", "limit": 10, "consumer": c, "window": 1000}
+            )
+        )
+    assert "Seq Scan on jobs" not in plan, plan
+    assert "using jobs_dequeue on jobs" in plan and "using jobs_running_rows on jobs" in plan
