@@ -1278,9 +1278,10 @@ def limit_cmd(
     As the schema's owner. From the commit on, every worker together runs at most
     --max-running of its messages at once, at most --per-key of one concurrency key
     (apply_async(..., pgskip_concurrency_key=...)), and starts at most --rate of them (a
-    bucket of --burst tokens, by default the rate per second rounded up). Replaces the
-    queue's limits: a limit not given is not set. Kept in the database: workers started later
-    honour it too (docs/limits.md)."""
+    bucket of --burst tokens, by default the rate per second rounded up). A message runs from
+    its fetch to its ack: give the queue's tasks acks_late=True. Replaces the queue's limits:
+    a limit not given is not set. Kept in the database: workers started later honour it too
+    (docs/limits.md)."""
     if max_running is None and per_key is None and rate is None:
         raise click.UsageError("give --max-running, --per-key or --rate (or see unlimit)", ctx)
     do_limit(_target(ctx, url, schema), queue, max_running, per_key, rate, burst)
