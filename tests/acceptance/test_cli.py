@@ -133,13 +133,14 @@ def test_celery_pgskip_doctor_and_queue_args_act_as_the_owner(db_url: str) -> No
 
 # The commands users run; beat-sync reads app.conf.beat_schedule, so it runs under Celery only.
 COMMANDS = {
-    "beat-list", "beat-sync", "cron-remove", "doctor", "failed", "grant", "maintenance",
-    "metrics", "migrate", "pause", "purge-failed", "queue-args", "resume", "retry-failed",
-    "revoke", "status", "tick", "unique-keys",
+    "beat-list", "beat-sync", "cron-remove", "doctor", "failed", "grant", "limit",
+    "maintenance", "metrics", "migrate", "pause", "purge-failed", "queue-args", "resume",
+    "retry-failed", "revoke", "status", "tick", "unique-keys", "unlimit",
 }  # fmt: skip
 #: The arguments a command needs before it looks for a URL.
 ARGUMENTS = {"queue-args": ["default"], "pause": ["default"], "resume": ["default"],
-             "revoke": ["an-id"]}  # fmt: skip
+             "revoke": ["an-id"], "limit": ["default", "--max-running", "1"],
+             "unlimit": ["default"]}  # fmt: skip
 APP_ONLY = {"beat-sync"}
 NOWHERE = "pgskip://postgres@127.0.0.1:1/nowhere"
 

@@ -97,7 +97,9 @@ def test_at_most_max_running_tasks_run_at_once_across_the_fleet(
     wait_until(lambda: _all_done(module_db_url, "cap", 24), 60, "the limited queue's tasks")
     events = _events(module_db_url, "cap")
     assert Counter(k for k, e, _ in events if e == "start") == {f"cap{i}": 1 for i in range(24)}
-    assert _most_at_once(events) == 3
+    # Never more than 3; not always 3 either: a worker's prefetched messages hold slots too
+    # (the solo worker's wait for its one process).
+    assert 1 < _most_at_once(events) <= 3
     # Each worker logged what it learnt.
     assert all("queue 'limited' is limited across every worker: at most 3 running" in
                w.log_text() for w in fleet)  # fmt: skip
