@@ -110,21 +110,14 @@ def test_at_most_max_running_tasks_run_at_once_across_the_fleet(
 def test_at_most_one_task_of_each_concurrency_key_runs_at_once(
     fleet: list[CeleryWorker], publisher: Celery, module_db_url: str
 ) -> None:
-    # Held back while their keys are written (the message keys of apply_async are another
-    # feature's: here they are set in the table).
-    _pgskip(module_db_url, "pause", "keyed")
-    for customer in "abc":
-        for i in range(4):
+    for i in range(4):
+        for customer in "abc":
             publisher.send_task(
-                "taskapp.record_late", args=(f"key{customer}-{i}", 0.3), queue="keyed"
+                "taskapp.record_late",
+                args=(f"key{customer}-{i}", 0.3),
+                queue="keyed",
+                pgskip_concurrency_key=f"customer:{customer}",
             )
-    with psycopg.connect(module_db_url, autocommit=True) as conn:
-        done = conn.execute(
-            "UPDATE pgskip.jobs SET concurrency_key ="
-            " substring(payload->'headers'->>'argsrepr' from 'key(.)-') WHERE queue = 'keyed'"
-        )
-        assert done.rowcount == 12
-    _pgskip(module_db_url, "resume", "keyed")
     wait_until(lambda: _all_done(module_db_url, "key", 12), 60, "the keyed tasks")
     events = _events(module_db_url, "key")
     for customer in "abc":
