@@ -91,6 +91,23 @@ SELECT c.relname, (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \\(''?(\
 """
 
 
+#: Whether a message marked completed drops its payload (``--compact-completed``): a trigger
+#: of the prototype stands for an ack that keeps only what listing a finished message needs.
+COMPACT = {"on": False}
+
+COMPACT_TRIGGER = """
+CREATE FUNCTION pgskip.layouts_compact() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.status = 'completed' THEN
+        NEW.payload := '{}';
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER layouts_compact BEFORE UPDATE OF status ON pgskip.jobs
+    FOR EACH ROW EXECUTE FUNCTION pgskip.layouts_compact();
+"""
+
 #: Whether payloads are stored out of line (``--payload-out-of-line``): a status update then
 #: writes a new version of the row without copying the payload.
 OUT_OF_LINE = {"on": False}
@@ -258,6 +275,8 @@ def run_layout(
             make_rotated(conn, rows)
         else:
             _out_of_line(conn, sql.Identifier("pgskip", "jobs"))
+        if COMPACT["on"]:
+            conn.execute(COMPACT_TRIGGER)
         conn.execute("VACUUM ANALYZE pgskip.jobs")
     probe_start = _probe(url)
     ctx = mp.get_context("spawn")
@@ -332,6 +351,7 @@ def run_layout(
     out = {
         "layout": layout,
         "keep_completed": keep,
+        "compact_completed": COMPACT["on"],
         "messages": done.value,
         "elapsed_s": round(elapsed, 1),
         "rate": round(done.value / elapsed, 1),
@@ -383,12 +403,18 @@ def main() -> None:
         help="FROM,TO: seconds into each run during which another session holds a snapshot",
     )
     parser.add_argument(
+        "--compact-completed",
+        action="store_true",
+        help="a message marked completed keeps no payload (a trigger), both layouts",
+    )
+    parser.add_argument(
         "--payload-out-of-line",
         action="store_true",
         help="store payloads in TOAST (toast_tuple_target 128, STORAGE EXTERNAL), both layouts",
     )
     args = parser.parse_args()
     OUT_OF_LINE["on"] = args.payload_out_of_line
+    COMPACT["on"] = args.compact_completed
     results: dict[str, Any] = {"machine": machine_info(), "args": vars(args), "layouts": {}}
     with psycopg.connect(args.url) as conn:
         results["server"] = {
