@@ -13,8 +13,8 @@ read). Register it with any registry::
 or serve it on its own with ``celery -A proj pgskip metrics --port 9808`` (:func:`serve`).
 
 Per queue: pending, scheduled, running and failed messages, the redelivered ones among those
-pending and running, the age of the oldest pending message, the live consumers of the queue and
-whether it is paused.
+pending and running, the age of the oldest pending message, the live consumers of the queue,
+whether it is paused, and its limits.
 For the schema: the consumers whose lease holds and those whose lease ran out, the database's
 xmin horizon (how old the oldest snapshot that stops vacuum is), the ``jobs`` table's size,
 live and dead row versions and inserted rows, and, where pg_cron is installed and this role may
@@ -68,6 +68,8 @@ CRON_RETRY_S = 60.0
 XMIN_HOLDERS = 10
 
 _PENDING, _SCHEDULED, _RUNNING, _FAILED = "pending", "scheduled", "running", "failed"
+#: The limits of a queue (pgskip limit), as the `limit` label of pgskip_queue_limit says them.
+_LIMIT_KINDS = ("max_running", "max_running_per_key", "rate")
 
 #: name -> (type, HELP text, label names) of every metric family the collector yields.
 #: Counter families are named without ``_total``; their samples end with it.
@@ -119,6 +121,12 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "gauge",
         "1 while the queue is paused for every worker (pgskip pause), else 0",
         ("queue",),
+    ),
+    "pgskip_queue_limit": (
+        "gauge",
+        "A limit of the queue for every worker (pgskip limit): max_running and"
+        " max_running_per_key in messages running at once, rate in starts per second",
+        ("queue", "limit"),
     ),
     "pgskip_queue_consumers": (
         "gauge",
@@ -305,7 +313,8 @@ class PgSkipCollector:
             counts[(str(status), str(queue))] = (int(messages), int(redelivered), oldest)
         declared = [str(r[0]) for r in conn.execute(q["declared_queues"])]
         paused = {str(r[0]) for r in conn.execute(q["paused_queues"])}
-        queues = sorted({*declared, *paused, *(queue for _, queue in counts)})
+        limits = {str(r[0]): r[1:] for r in conn.execute(q["queue_limits"])}
+        queues = sorted({*declared, *paused, *limits, *(queue for _, queue in counts)})
         consumers = {str(r[0]): int(r[1]) for r in conn.execute(q["queue_consumers"])}
 
         by_status = {
@@ -318,6 +327,11 @@ class PgSkipCollector:
         oldest = _family("pgskip_oldest_pending_age_seconds")
         queue_consumers = _family("pgskip_queue_consumers")
         queue_paused = _family("pgskip_queue_paused")
+        queue_limit = _family("pgskip_queue_limit")
+        for queue, values in sorted(limits.items()):
+            for kind, value in zip(_LIMIT_KINDS, values, strict=True):
+                if value is not None:
+                    queue_limit.add_metric([queue, kind], float(value))
         for queue in queues:
             for status, family in by_status.items():
                 family.add_metric([queue], counts.get((status, queue), (0, 0, None))[0])
@@ -329,7 +343,14 @@ class PgSkipCollector:
             oldest.add_metric([queue], 0.0 if age is None else float(age))
             queue_consumers.add_metric([queue], consumers.get(queue, 0))
             queue_paused.add_metric([queue], 1 if queue in paused else 0)
-        return [*by_status.values(), redelivered, oldest, queue_consumers, queue_paused]
+        return [
+            *by_status.values(),
+            redelivered,
+            oldest,
+            queue_consumers,
+            queue_paused,
+            queue_limit,
+        ]
 
     def _consumer_families(self, conn: Connection, q: dict[str, Any]) -> list[Metric]:
         row = conn.execute(q["consumer_counts"]).fetchone()

@@ -32,6 +32,9 @@ SELECT name FROM {schema}.queues WHERE NOT auto_delete AND expires IS NULL ORDER
 -- paused_queues: the queues paused for every worker (pgskip pause, migration 0021)
 SELECT name FROM {schema}.paused_queues;
 
+-- queue_limits: the limits of the queues limited for every worker (pgskip limit, migration 0025): (name, max_running, max_running_per_key, rate), NULL where not set
+SELECT name, max_running, max_running_per_key, rate FROM {schema}.queue_limits;
+
 -- consumer_counts: consumers whose lease holds (alive) and consumers whose lease has run out and that no sweep has removed yet (their running messages return to pending at the next sweep)
 SELECT count(*) FILTER (WHERE lease_until > now()),
        count(*) FILTER (WHERE lease_until <= now())

@@ -103,6 +103,10 @@ def test_collector_counts_each_status_per_queue(db_url: str, collector: PgSkipCo
         )
         # paused before anything declared it: its series are there too
         conn.execute("INSERT INTO pgskip.paused_queues (name) VALUES ('reports'), ('held')")
+        # limited before anything declared it, with two of its three limits
+        conn.execute(
+            "INSERT INTO pgskip.queue_limits (name, max_running, rate) VALUES ('paced', 3, 2.5)"
+        )
     registry = _registry(collector)
 
     assert _value(registry, "pgskip_up") == 1.0
@@ -126,6 +130,16 @@ def test_collector_counts_each_status_per_queue(db_url: str, collector: PgSkipCo
     assert paused == {"emails": 0, "reports": 1}
     assert _value(registry, "pgskip_pending_messages", queue="held") == 0
     assert _value(registry, "pgskip_queue_paused", queue="held") == 1
+    limit = {
+        (q, kind): _value(registry, "pgskip_queue_limit", queue=q, limit=kind)
+        for q in ("paced", "emails")
+        for kind in ("max_running", "max_running_per_key", "rate")
+    }
+    assert {k: v for k, v in limit.items() if v is not None} == {
+        ("paced", "max_running"): 3,
+        ("paced", "rate"): 2.5,
+    }
+    assert _value(registry, "pgskip_pending_messages", queue="paced") == 0
     assert _value(registry, "pgskip_consumers_alive") == 1
     assert _value(registry, "pgskip_consumers_lease_expired") == 1
     size = _value(registry, "pgskip_jobs_table_size_bytes")
