@@ -34,7 +34,6 @@ import argparse
 import json
 import multiprocessing as mp
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from psycopg import sql
 
 from .common import log, machine_info, percentile
 from .steady_state import FILL, PRUNE_FN, QUEUE, _consumer_main
+from .steady_state import _probe as _steady_probe
 
 PAYLOAD = json.dumps(
     {
@@ -231,24 +231,7 @@ def _sizes(conn: psycopg.Connection[Any]) -> dict[str, Any]:
 
 def _probe(url: str) -> float | None:
     """p50 ms of 50 fetches of 100 from 10,000 pending rows, one client."""
-    from kombu_pgskip.store import Store
-
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(FILL, ("probe", PAYLOAD, 10_000))
-    store = Store(url, check=False)
-    me = uuid.uuid4()
-    store.register_consumer(me, hostname="bench-probe", queues=["probe"], lease=60)
-    times = []
-    for _ in range(50):
-        c0 = time.perf_counter()
-        rows = store.fetch(["probe"], 100, me)
-        times.append(1000 * (time.perf_counter() - c0))
-        store.ack([r.tag for r in rows], me)
-    store.unregister_consumer(me)
-    store.close()
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("DELETE FROM pgskip.jobs WHERE queue = 'probe'")
-    return percentile(times, 50)
+    return _steady_probe(url, PAYLOAD)["fetch100_ms_p50"]  # type: ignore[no-any-return]
 
 
 def run_layout(

@@ -118,6 +118,18 @@ def module_broker_url(module_db_url: str) -> str:
     return module_db_url.replace("postgresql://", "pgskip://", 1)
 
 
+def pgskip_ok(db_url: str, *args: str) -> str:
+    """``python -m kombu_pgskip <args> --url db_url``, which must succeed; its output."""
+    from tests.helpers import REPO_ROOT
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kombu_pgskip", *args, "--url", db_url],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def celery_cli(
     *args: str, broker: str, timeout: float = 60, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:

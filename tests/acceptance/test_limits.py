@@ -7,8 +7,6 @@ so that running means running (docs/limits.md)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime
@@ -17,30 +15,21 @@ import psycopg
 import pytest
 from celery import Celery
 
-from tests.acceptance.conftest import APPS_DIR, wait_until
-from tests.helpers import REPO_ROOT, CeleryWorker
+from tests.acceptance.conftest import APPS_DIR, pgskip_ok, wait_until
+from tests.helpers import CeleryWorker
 
 pytestmark = pytest.mark.acceptance
 
 QUEUES = ["limited", "keyed", "rated"]
 
 
-def _pgskip(db_url: str, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "kombu_pgskip", *args, "--url", db_url],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
 @pytest.fixture(scope="module")
 def fleet(module_broker_url: str, module_db_url: str) -> Iterator[list[CeleryWorker]]:
     """Four workers, 11 task slots in all, consuming the limited queues (limited before they
     start: the limits hold from the first fetch)."""
-    _pgskip(module_db_url, "limit", "limited", "--max-running", "3")
-    _pgskip(module_db_url, "limit", "keyed", "--per-key", "1")
-    _pgskip(module_db_url, "limit", "rated", "--rate", "4/s")
+    pgskip_ok(module_db_url, "limit", "limited", "--max-running", "3")
+    pgskip_ok(module_db_url, "limit", "keyed", "--per-key", "1")
+    pgskip_ok(module_db_url, "limit", "rated", "--rate", "4/s")
     workers = [
         CeleryWorker(
             "taskapp", module_broker_url, cwd=APPS_DIR, queues=QUEUES, pool=pool, concurrency=n

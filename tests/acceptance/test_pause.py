@@ -4,8 +4,6 @@ already running go on; on resume they start at once."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections import Counter
 from datetime import datetime, timezone
@@ -14,19 +12,10 @@ import psycopg
 import pytest
 from celery import Celery
 
-from tests.acceptance.conftest import APPS_DIR, runs, wait_until
-from tests.helpers import REPO_ROOT, CeleryWorker
+from tests.acceptance.conftest import APPS_DIR, pgskip_ok, runs, wait_until
+from tests.helpers import CeleryWorker
 
 pytestmark = pytest.mark.acceptance
-
-
-def _pgskip(db_url: str, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "kombu_pgskip", *args, "--url", db_url],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 def _started(db_url: str) -> dict[str, datetime]:
@@ -43,7 +32,7 @@ def test_a_paused_queue_waits_in_every_worker_and_starts_at_once_on_resume(
     with first:
         publisher.send_task("taskapp.record_late", args=("long", 3.0), queue="reports")
         wait_until(lambda: "long" in _started(db_url), 20, "the long task to start")
-        out = _pgskip(db_url, "pause", "reports", "--reason", "deploy")
+        out = pgskip_ok(db_url, "pause", "reports", "--reason", "deploy")
         assert out.startswith("queue 'reports': paused;")
         for i in range(5):
             publisher.send_task("taskapp.record", args=(f"r{i}",), queue="reports")
@@ -77,9 +66,9 @@ def test_a_paused_queue_waits_in_every_worker_and_starts_at_once_on_resume(
                 " (deploy): this worker takes none of its messages until "
                 "`celery -A proj pgskip resume reports`"
             ) in second.log_text()
-            assert "'reports' since " in _pgskip(db_url, "status")
+            assert "'reports' since " in pgskip_ok(db_url, "status")
             resumed_at = datetime.now(timezone.utc)
-            assert _pgskip(db_url, "resume", "reports") == "queue 'reports': resumed\n"
+            assert pgskip_ok(db_url, "resume", "reports") == "queue 'reports': resumed\n"
             wait_until(
                 lambda: {f"r{i}" for i in range(5)} <= set(_started(db_url)), 20, "the resume"
             )

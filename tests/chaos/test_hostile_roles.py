@@ -176,6 +176,14 @@ def tidy(any_pg_server: PgServer, versioned_empty_db_url: str) -> Iterator[Deplo
         yield d
 
 
+def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m kombu_pgskip <args> --url url``."""
+    return subprocess.run(
+        [sys.executable, "-m", "kombu_pgskip", *args, "--url", url],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
 def _denied(conn: psycopg.Connection[Any], statement: str) -> None:
     with pytest.raises(pg_errors.InsufficientPrivilege), conn.transaction():
         conn.execute(statement)
@@ -662,10 +670,7 @@ def _who_ran_a_shadow_at(db_url: str) -> set[str]:
 
 
 def _doctor_cli(url: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kombu_pgskip", "doctor", "--no-cron", "--url", url],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    return _cli(url, "doctor", "--no-cron")
 
 
 def test_doctor_passes_an_install_set_up_as_documented(tidy: Deployment) -> None:
@@ -782,11 +787,9 @@ def test_only_the_owner_changes_a_queue_argument_deliberately(tidy: Deployment) 
             set_queue_arguments(owner_url, "pgskip", "celery", set=bad)
     with pytest.raises(exceptions.ConfigurationError, match="no queue 'nope'"):
         set_queue_arguments(owner_url, "pgskip", "nope", set={"x-expires": 1})
-    done = subprocess.run(
-        [sys.executable, "-m", "kombu_pgskip", "queue-args", "celery", "--url", owner_url,
-         "--unset", "x-expires", "--set", "x-max-priority=10"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    done = _cli(
+        owner_url, "queue-args", "celery", "--unset", "x-expires", "--set", "x-max-priority=10"
+    )
     assert done.returncode == 0, done.stderr
     assert "queue 'celery': x-expires 60000 -> none" in done.stdout
     assert "queue 'celery': x-max-priority none -> 10" in done.stdout
@@ -806,10 +809,7 @@ def test_only_the_owner_pauses_or_resumes_a_queue(tidy: Deployment) -> None:
         conn.execute("INSERT INTO pgskip.paused_queues (name, reason) VALUES ('held', 'audit')")
     for role in ATTACKERS:
         for command in (["pause", "celery"], ["resume", "held"]):
-            done = subprocess.run(
-                [sys.executable, "-m", "kombu_pgskip", *command, "--url", tidy.url(role)],
-                cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
-            )  # fmt: skip
+            done = _cli(tidy.url(role), *command)
             assert done.returncode == 1, done.stdout
             assert "only the schema's owner" in done.stderr, done.stderr
         with psycopg.connect(tidy.url(role), autocommit=True) as conn:
@@ -827,10 +827,7 @@ def test_only_the_owner_pauses_or_resumes_a_queue(tidy: Deployment) -> None:
         assert len(store.fetch(["celery", "held"], 3, tidy.consumer)) == 3
     finally:
         store.close()
-    done = subprocess.run(
-        [sys.executable, "-m", "kombu_pgskip", "resume", "held", "--url", tidy.url("owner")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    done = _cli(tidy.url("owner"), "resume", "held")
     assert done.returncode == 0, done.stderr
     assert "queue 'held': resumed" in done.stdout
 
@@ -843,10 +840,7 @@ def test_only_the_owner_sets_or_removes_a_queues_limits(tidy: Deployment) -> Non
         conn.execute("INSERT INTO pgskip.queue_limits (name, max_running) VALUES ('held', 1)")
     for role in ATTACKERS:
         for command in (["limit", "celery", "--max-running", "1"], ["unlimit", "held"]):
-            done = subprocess.run(
-                [sys.executable, "-m", "kombu_pgskip", *command, "--url", tidy.url(role)],
-                cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
-            )  # fmt: skip
+            done = _cli(tidy.url(role), *command)
             assert done.returncode == 1, done.stdout
             assert "only the schema's owner" in done.stderr, done.stderr
         with psycopg.connect(tidy.url(role), autocommit=True) as conn:
@@ -985,10 +979,7 @@ def test_a_publisher_cannot_revoke_a_waiting_message(tidy: Deployment) -> None:
             " pgskip.jobs WHERE queue = 'celery' AND status = 'pending')"
         )
     before = tidy.snapshot()
-    done = subprocess.run(
-        [sys.executable, "-m", "kombu_pgskip", "revoke", "victim", "--url", tidy.url("publisher")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    done = _cli(tidy.url("publisher"), "revoke", "victim")
     assert done.returncode == 1, done.stdout
     assert "lacks a privilege" in done.stderr, done.stderr
     assert tidy.snapshot() == before
