@@ -17,9 +17,9 @@ every 2 s:
     messages are all finished, the last one more than ``--retention`` seconds ago, is dropped
     (``DROP TABLE`` under a short ``lock_timeout``; skipped when a lock is held). No pruning
     statement and no vacuum is needed to give its space back. A prototype: the transport's
-    statements run unchanged against it, but the schema's unique-key index cannot exist on it
-    (a unique index of a table partitioned by id must contain the id), nor can ``sweep()``,
-    ``prune()`` and the migrations know of the partitions.
+    statements run unchanged against it, but it has none of the schema's triggers (the claims
+    of unique keys), and ``sweep()``, ``prune()`` and the migrations do not know of the
+    partitions.
 
 The sizes are those of the table and every partition with their indexes and TOAST, sampled
 every 2 s; a controlled probe (10,000 pending rows, 50 fetches of 100) runs on the empty table

@@ -13,8 +13,9 @@ pg_cron job calling one SQL function of the schema):
 ``prune`` (hourly)
     ``CALL <schema>.prune_in_batches(completed, failed, batch)``: deletes ``completed`` rows
     finished more than ``completed_retention`` ago (default 1 day), ``prune_batch`` (10,000)
-    per transaction so that no long transaction holds vacuum back, then ``failed`` rows older
-    than ``failed_retention`` (default 14 days; ``None`` keeps them) and old fired-slot records.
+    per transaction so that no long transaction holds vacuum back, then the claims of unique
+    keys no message holds any more (as many per transaction), then ``failed`` rows older than
+    ``failed_retention`` (default 14 days; ``None`` keeps them) and old fired-slot records.
     (``<schema>.prune()``, one transaction, on a schema from before migration 0007.)
 ``cron-history`` (daily, in pg_cron's database)
     deletes this schema's jobs' rows of ``cron.job_run_details`` older than

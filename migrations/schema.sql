@@ -155,7 +155,8 @@ BEGIN
         RETURN NULL;
     END IF;
     -- Same rules as the broker's publish: priority clamped to the queue's x-max-priority,
-    -- TTL from the message or the queue.
+    -- TTL from the message or the queue. A run whose unique key is held (the previous run
+    -- still waits or runs) is not inserted (claim_unique_key()), and returns no row here.
     FOR inserted IN
         INSERT INTO jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at,
                           created_at, unique_key, concurrency_key)
@@ -175,8 +176,6 @@ BEGIN
                msg.value->>'concurrency_key'
           FROM jsonb_array_elements(e.messages) AS msg
           LEFT JOIN queues AS q ON q.name = msg.value->>'queue'
-        -- A run whose unique key is held (the previous run still waits or runs) is skipped.
-        ON CONFLICT DO NOTHING
         RETURNING jobs.queue, jobs.status, jobs.run_at
     LOOP
         IF inserted.status = 'pending' THEN
@@ -289,6 +288,58 @@ BEGIN
     END IF;
     RETURN p;
 END;
+$$;
+
+--
+-- Name: claim_unique_key(); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.claim_unique_key() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+DECLARE
+    holder bigint;
+BEGIN
+    IF COALESCE(pg_partition_root(TG_RELID), TG_RELID) <> 'jobs'::regclass THEN
+        RAISE EXCEPTION 'claim_unique_key() runs only as a trigger of jobs';
+    END IF;
+    LOOP
+        INSERT INTO unique_keys (queue, unique_key, job_id)
+        VALUES (NEW.queue, NEW.unique_key, NEW.id)
+            ON CONFLICT DO NOTHING;
+        EXIT WHEN FOUND;
+        SELECT u.job_id INTO holder
+          FROM unique_keys AS u
+         WHERE u.queue = NEW.queue AND u.unique_key = NEW.unique_key
+           FOR UPDATE;
+        IF FOUND THEN
+            IF holder <> NEW.id
+               AND EXISTS (SELECT FROM jobs AS j
+                            WHERE j.id = holder AND j.queue = NEW.queue
+                              AND j.unique_key = NEW.unique_key
+                              AND j.status IN ('pending', 'scheduled', 'running')) THEN
+                IF TG_OP = 'INSERT' THEN
+                    RETURN NULL;
+                END IF;
+                UPDATE jobs SET unique_key = NULL
+                 WHERE id = NEW.id AND unique_key = NEW.unique_key;
+                RETURN NULL;
+            END IF;
+            -- Written even when it names NEW.id already: a transaction whose snapshot is older
+            -- than this claim (REPEATABLE READ) then fails to serialize on the entry instead
+            -- of reading the claim's message as it was before.
+            UPDATE unique_keys SET job_id = NEW.id
+             WHERE queue = NEW.queue AND unique_key = NEW.unique_key;
+            EXIT;
+        END IF;
+        -- The entry was deleted (prune) after the insert found it: claim it anew.
+    END LOOP;
+    IF TG_OP = 'INSERT' THEN
+        RETURN NEW;
+    END IF;
+    RETURN NULL;
+END
 $$;
 
 --
@@ -444,6 +495,8 @@ CREATE FUNCTION pgskip.prune(completed_after interval DEFAULT '1 day'::interval,
     LANGUAGE sql
     SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
     AS $$
+-- Stale unique-key claims first, in a statement of their own (prune_unique_keys).
+SELECT prune_unique_keys(NULL);
 WITH c AS (
     DELETE FROM jobs
      WHERE completed_after IS NOT NULL AND status = 'completed'
@@ -508,7 +561,50 @@ BEGIN
             EXIT WHEN n OPERATOR(pg_catalog.<) batch;
         END LOOP;
     END IF;
+    -- Stale unique-key claims, as many per transaction.
+    LOOP
+        n := pgskip.prune_unique_keys(batch);
+        COMMIT;
+        EXIT WHEN n OPERATOR(pg_catalog.<) batch;
+    END LOOP;
     SELECT p.failed, p.slots INTO failed, slots FROM pgskip.prune(NULL, failed_after) AS p;
+END
+$$;
+
+--
+-- Name: prune_unique_keys(integer); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.prune_unique_keys(batch integer) RETURNS bigint
+    LANGUAGE plpgsql
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+DECLARE
+    stale_queues text[];
+    stale_keys   text[];
+    n            bigint;
+BEGIN
+    SELECT array_agg(s.queue), array_agg(s.unique_key) INTO stale_queues, stale_keys
+      FROM (SELECT u.queue, u.unique_key
+              FROM unique_keys AS u
+             WHERE NOT EXISTS (SELECT FROM jobs AS j
+                                WHERE j.id = u.job_id AND j.queue = u.queue
+                                  AND j.unique_key = u.unique_key
+                                  AND j.status IN ('pending', 'scheduled', 'running'))
+             LIMIT batch
+               FOR UPDATE OF u SKIP LOCKED) AS s;
+    WITH d AS (
+        DELETE FROM unique_keys AS u
+         USING unnest(stale_queues, stale_keys) AS p(queue, unique_key)
+         WHERE u.queue = p.queue AND u.unique_key = p.unique_key
+           AND NOT EXISTS (SELECT FROM jobs AS j
+                            WHERE j.id = u.job_id AND j.queue = u.queue
+                              AND j.unique_key = u.unique_key
+                              AND j.status IN ('pending', 'scheduled', 'running'))
+        RETURNING 1
+    )
+    SELECT count(*) INTO n FROM d;
+    RETURN n;
 END
 $$;
 
@@ -857,6 +953,28 @@ CREATE TABLE pgskip.queues (
 );
 
 --
+-- Name: unique_keys; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.unique_keys (
+    queue text NOT NULL,
+    unique_key text NOT NULL,
+    job_id bigint NOT NULL
+);
+
+--
+-- Name: TABLE unique_keys; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON TABLE pgskip.unique_keys IS 'which message claimed each unique key of a queue; held while jobs row job_id, of that queue and key, is pending, scheduled or running';
+
+--
+-- Name: COLUMN unique_keys.job_id; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.unique_keys.job_id IS 'the message (jobs.id) that claimed the key last; it may have finished since (stale: the next claim takes the entry over)';
+
+--
 -- Name: beat_entries beat_entries_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
 --
 
@@ -927,6 +1045,13 @@ ALTER TABLE ONLY pgskip.queues
     ADD CONSTRAINT queues_pkey PRIMARY KEY (name);
 
 --
+-- Name: unique_keys unique_keys_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.unique_keys
+    ADD CONSTRAINT unique_keys_pkey PRIMARY KEY (queue, unique_key);
+
+--
 -- Name: beat_slots_sent; Type: INDEX; Schema: pgskip; Owner: -
 --
 
@@ -975,16 +1100,22 @@ CREATE INDEX jobs_running_rows ON pgskip.jobs USING btree (id) WHERE (status = '
 CREATE INDEX jobs_scheduled ON pgskip.jobs USING btree (run_at) WHERE (status = 'scheduled'::pgskip.job_status);
 
 --
--- Name: jobs_unique_key; Type: INDEX; Schema: pgskip; Owner: -
---
-
-CREATE UNIQUE INDEX jobs_unique_key ON pgskip.jobs USING btree (queue, unique_key) WHERE ((unique_key IS NOT NULL) AND (status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status, 'running'::pgskip.job_status])));
-
---
 -- Name: queues_expiring; Type: INDEX; Schema: pgskip; Owner: -
 --
 
 CREATE INDEX queues_expiring ON pgskip.queues USING btree (last_used_at) WHERE (expires IS NOT NULL);
+
+--
+-- Name: jobs jobs_claim_unique_key; Type: TRIGGER; Schema: pgskip; Owner: -
+--
+
+CREATE TRIGGER jobs_claim_unique_key BEFORE INSERT ON pgskip.jobs FOR EACH ROW WHEN (((new.unique_key IS NOT NULL) AND (new.status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status, 'running'::pgskip.job_status])))) EXECUTE FUNCTION pgskip.claim_unique_key();
+
+--
+-- Name: jobs jobs_reclaim_unique_key; Type: TRIGGER; Schema: pgskip; Owner: -
+--
+
+CREATE TRIGGER jobs_reclaim_unique_key AFTER UPDATE ON pgskip.jobs FOR EACH ROW WHEN (((new.unique_key IS NOT NULL) AND (new.status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status, 'running'::pgskip.job_status])) AND ((old.status <> ALL (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status, 'running'::pgskip.job_status])) OR (old.unique_key IS DISTINCT FROM new.unique_key) OR (old.queue <> new.queue)))) EXECUTE FUNCTION pgskip.claim_unique_key();
 
 --
 -- Name: beat_slots beat_slots_entry_fkey; Type: FK CONSTRAINT; Schema: pgskip; Owner: -
@@ -1050,6 +1181,12 @@ REVOKE ALL ON FUNCTION pgskip.beat_next_slot(e pgskip.beat_entries, after timest
 REVOKE ALL ON FUNCTION pgskip.beat_payload(template jsonb, id_paths jsonb, task_id text, eta timestamp with time zone, expires timestamp with time zone) FROM PUBLIC;
 
 --
+-- Name: FUNCTION claim_unique_key(); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.claim_unique_key() FROM PUBLIC;
+
+--
 -- Name: FUNCTION expire_queues(OUT queues bigint, OUT messages bigint); Type: ACL; Schema: pgskip; Owner: -
 --
 
@@ -1078,6 +1215,12 @@ REVOKE ALL ON FUNCTION pgskip.prune_completed_batch(cutoff timestamp with time z
 --
 
 REVOKE ALL ON PROCEDURE pgskip.prune_in_batches(IN completed_after interval, IN failed_after interval, IN batch integer, INOUT completed bigint, INOUT failed bigint, INOUT slots bigint) FROM PUBLIC;
+
+--
+-- Name: FUNCTION prune_unique_keys(batch integer); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.prune_unique_keys(batch integer) FROM PUBLIC;
 
 --
 -- Name: FUNCTION sweep(max_attempts integer); Type: ACL; Schema: pgskip; Owner: -

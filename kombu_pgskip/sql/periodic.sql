@@ -118,21 +118,12 @@ SELECT id FROM {schema}.jobs
  LIMIT %(limit)s
    FOR UPDATE SKIP LOCKED
 
--- failed_retry: put failed messages matching the filters back to pending with a fresh attempt count; wakes workers. A message keeps its unique key if no other message of its queue holds it (the first of those retried together keeps it), else it comes back without it
-WITH picked AS ({@failed_matching}), keyed AS (
-    SELECT j.id,
-           row_number() OVER (PARTITION BY j.queue, j.unique_key ORDER BY j.id) = 1
-             AND NOT EXISTS (SELECT FROM {schema}.jobs AS o
-                              WHERE o.queue = j.queue AND o.unique_key = j.unique_key
-                                AND o.status IN ('pending', 'scheduled', 'running')) AS keeps
-      FROM {schema}.jobs AS j JOIN picked ON picked.id = j.id
-     WHERE j.unique_key IS NOT NULL
-), r AS (
+-- failed_retry: put failed messages matching the filters back to pending with a fresh attempt count; wakes workers. A message takes its unique key back if no other message of its queue holds it, else it comes back without it (the claim trigger of jobs, migration 0026; of several retried together with one key, one keeps it)
+WITH picked AS ({@failed_matching}), r AS (
     UPDATE {schema}.jobs AS j
        SET status = 'pending', attempts = 0, redelivered = false, run_at = now(),
-           locked_by = NULL, locked_at = NULL, finished_at = NULL,
-           unique_key = CASE WHEN keyed.keeps IS NOT FALSE THEN j.unique_key END
-      FROM picked LEFT JOIN keyed ON keyed.id = picked.id
+           locked_by = NULL, locked_at = NULL, finished_at = NULL
+      FROM picked
      WHERE j.id = picked.id
     RETURNING j.id, j.queue
 ), n AS (

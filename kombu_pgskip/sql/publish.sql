@@ -33,7 +33,7 @@ UNION ALL
 SELECT pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text)
  WHERE %(run_at)s::timestamptz IS NOT NULL;
 
--- insert_one: (fragment, included as {@insert_one} after a CTE q of the queue's max_priority and message_ttl) the insert of publish (a TTL, the message's or the queue's, counts from when the message is due: a countdown longer than the TTL is not dropped before it is due; nothing is written when another message of the queue holds its unique key: pending, scheduled or running, migration 0024), to be followed by RETURNING id, and queue, status where {@wake} reads them in the same statement (only columns a publisher role may read)
+-- insert_one: (fragment, included as {@insert_one} after a CTE q of the queue's max_priority and message_ttl) the insert of publish (a TTL, the message's or the queue's, counts from when the message is due: a countdown longer than the TTL is not dropped before it is due; nothing is written when another message of the queue holds its unique key, pending, scheduled or running: the claim trigger of jobs refuses the row, migration 0026), to be followed by RETURNING id, and queue, status where {@wake} reads them in the same statement (only columns a publisher role may read)
 INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at,
                            unique_key, concurrency_key)
 SELECT %(queue)s,
@@ -47,10 +47,8 @@ SELECT %(queue)s,
          + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0),
        %(unique_key)s,
        %(concurrency_key)s
-    -- No conflict target: one would need SELECT on unique_key, which publishers lack.
-    ON CONFLICT DO NOTHING
 
--- release_unique_key: the messages of task task_id that hold unique key key in queue (pending, scheduled or running) give it up, so that the task's retry, published in the same transaction, takes it (Store.take_over_unique_key; a worker role's statement)
+-- release_unique_key: the messages of task task_id that hold unique key key in queue (pending, scheduled or running) give it up, so that the task's retry, published in the same transaction, takes it: the key's claim then names a message without the key, and the retry's claim takes it over (Store.take_over_unique_key; a worker role's statement)
 UPDATE {schema}.jobs
    SET unique_key = NULL
  WHERE queue = %(queue)s AND unique_key = %(key)s AND task_id = %(task_id)s

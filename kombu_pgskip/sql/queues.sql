@@ -247,7 +247,7 @@ DELETE FROM {schema}.bindings
 SELECT routing_key, pattern, queue FROM {schema}.bindings WHERE exchange = %(exchange)s
  ORDER BY queue, routing_key;
 
--- unique_keys: the unique keys held (migration 0024), by queue and key, through the index jobs_unique_key: (queue, key, status, task_name, task_id, created_at); queue NULL for every queue; at most limit rows
+-- unique_keys: the unique keys held, by queue and key: the messages with a key that are pending, scheduled or running (queue, key, status, task_name, task_id, created_at); queue NULL for every queue; at most limit rows. Read from jobs alone: the claims (unique_keys, migration 0026) are the owner's, and a worker role runs this too
 SELECT queue, unique_key, status::text, task_name, task_id, created_at
   FROM {schema}.jobs
  WHERE unique_key IS NOT NULL AND status IN ('pending', 'scheduled', 'running')

@@ -382,6 +382,68 @@ def test_migrate_first_while_the_previous_release_publishes_and_consumes(
     restarted.stop()
 
 
+#: Run by a release: publish a message with a unique key until the key is held, fail the holder,
+#: publish again, retry the failed one; prints what each step returned, as JSON.
+KEYED = """
+import json
+import os
+import sys
+
+import psycopg
+from kombu_pgskip.maintenance import FailedFilter, retry_failed
+from kombu_pgskip.store import NewMessage, Store
+
+url, key = os.environ["ROLL_DB"], sys.argv[1]
+store = Store(url, check=os.environ.get("ROLL_CHECK") != "0")
+keyed = NewMessage("keys", 0, "pending", None, "{}", "t", key, None, key)
+try:
+    first = store.publish(keyed)
+    again = store.publish(keyed)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("UPDATE pgskip.jobs SET status = 'failed' WHERE id = %s", (first,))
+    second = store.publish(keyed)
+finally:
+    store.close()
+retried = retry_failed(url, "pgskip", FailedFilter(queue="keys"))
+print(json.dumps([first, again, second, retried]), flush=True)
+"""
+
+
+def test_unique_keys_hold_across_the_migration_for_the_previous_release(
+    deploy: Deploy, previous_release: Release, this_release: Release
+) -> None:
+    """A key held before the migration stays held; the previous release's publish and
+    retry-failed keep a key one message's after it, as this release's do."""
+    if previous_release.version < 23:
+        pytest.skip(f"the previous release (schema {previous_release.version:04d}) has no keys")
+    install_previous(deploy, previous_release)
+    (deploy.app_dir / "keyed.py").write_text(KEYED)
+    check = "1" if previous_release.reads_window else "0"
+
+    def keyed(release: Release, key: str) -> list[int | None]:
+        done = deploy.run(release, ["keyed.py", key], ROLL_CHECK=check)
+        assert done.exited() == 0, done.text()
+        result: list[int | None] = json.loads(done.text().strip().splitlines()[-1])
+        return result
+
+    before = keyed(previous_release, "before")
+    migrate(deploy.db_url)
+    for release in (previous_release, this_release):
+        first, again, second, retried = keyed(release, release.name)
+        assert first is not None and again is None and second is not None and retried == 1
+    with psycopg.connect(deploy.db_url) as conn:
+        holders = conn.execute(
+            "SELECT unique_key, count(*) FROM pgskip.jobs WHERE queue = 'keys'"
+            " AND status IN ('pending', 'scheduled', 'running') AND unique_key IS NOT NULL"
+            " GROUP BY 1 ORDER BY 1"
+        ).fetchall()
+    assert holders == sorted((k, 1) for k in ("before", previous_release.name, this_release.name))
+    # The key held since before the migration: nobody writes it.
+    assert before[2] is not None
+    again = keyed(this_release, "before")
+    assert again[0] is None and again[1] is None
+
+
 def test_the_new_release_started_before_migrating_is_refused_and_the_previous_goes_on(
     deploy: Deploy, previous_release: Release, this_release: Release
 ) -> None:

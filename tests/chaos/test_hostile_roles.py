@@ -190,9 +190,9 @@ def _denied(conn: psycopg.Connection[Any], statement: str) -> None:
 
 
 ATTACKERS = ["publisher", "worker"]
-#: The schema's trigger functions (none): each one is attached below, as an attacker would, to
-#: tables of the attacker's own.
-TRIGGER_FUNCTIONS: set[str] = set()
+#: The schema's trigger functions: each one is attached below, as an attacker would, to tables
+#: of the attacker's own.
+TRIGGER_FUNCTIONS: set[str] = {"claim_unique_key()"}
 
 
 # -- 1. declarations ------------------------------------------------------------------------------
@@ -301,6 +301,80 @@ def test_no_function_of_the_schema_runs_for_a_role_it_is_not_granted_to(
             # The worker's own maintenance, with the worker's rights: the live consumer's rows
             # stay its own, whatever max_attempts.
             conn.execute("SELECT pgskip.sweep(1)")
+    assert hostile.snapshot() == before
+
+
+@pytest.mark.parametrize("attacker", ATTACKERS)
+def test_no_role_but_the_owner_reads_or_writes_the_unique_key_claims(
+    hostile: Deployment, attacker: str
+) -> None:
+    """The claims of unique keys (``unique_keys``) are the owner's: the attacker can neither read
+    nor change them, nor call the function that writes them, nor turn its trigger off, nor make
+    a table of its own stand in for one the function uses; the keys it publishes are claimed in
+    the schema's table, and a key another message holds stays that message's alone."""
+    owner = Store(broker(hostile.url("owner")))
+    try:
+        held = owner.publish(NewMessage("keys", 0, "pending", None, "{}", "t", "1", None, "held"))
+        other = owner.publish(NewMessage("keys", 0, "pending", None, "{}", "t", "2", None))
+    finally:
+        owner.close()
+    assert held is not None and other is not None
+    claims = "SELECT queue, unique_key, job_id FROM pgskip.unique_keys ORDER BY 1, 2"
+    before = hostile.snapshot()
+    with psycopg.connect(hostile.url(attacker), autocommit=True) as conn:
+        for statement in (
+            "SELECT * FROM pgskip.unique_keys",
+            "SELECT count(*) FROM pgskip.unique_keys",
+            "INSERT INTO pgskip.unique_keys VALUES ('keys', 'mine', 1)",
+            "UPDATE pgskip.unique_keys SET job_id = 0",
+            "DELETE FROM pgskip.unique_keys",
+            "TRUNCATE pgskip.unique_keys",
+            "LOCK TABLE pgskip.unique_keys",
+            "SELECT pgskip.claim_unique_key()",
+            "SELECT pgskip.prune_unique_keys(NULL)",
+            "ALTER TABLE pgskip.jobs DISABLE TRIGGER jobs_claim_unique_key",
+            "ALTER TABLE pgskip.jobs DISABLE TRIGGER ALL",
+            "DROP TRIGGER jobs_reclaim_unique_key ON pgskip.jobs",
+            "ALTER FUNCTION pgskip.claim_unique_key() SECURITY INVOKER",
+            # Triggers do not fire for a replica's session: a superuser's setting.
+            "SET session_replication_role = replica",
+        ):
+            _denied(conn, statement)
+        # Tables of its own in front of the schema's, where a careless path would find them.
+        conn.execute("CREATE TEMP TABLE unique_keys (queue text, unique_key text, job_id bigint)")
+        conn.execute("CREATE TEMP TABLE jobs (id bigint, queue text, unique_key text, status text)")
+        conn.execute("SET search_path TO pg_temp, public, pg_catalog")
+        publish = (
+            "INSERT INTO pgskip.jobs (queue, payload, unique_key) VALUES ('keys', '{}', %s)"
+            " RETURNING id"
+        )
+        assert conn.execute(publish, ("held",)).fetchall() == [], "the key is held"
+        mine = conn.execute(publish, ("mine",)).fetchall()
+        assert len(mine) == 1
+        assert conn.execute("SELECT count(*) FROM pg_temp.unique_keys").fetchone() == (0,)
+        if attacker == "worker":
+            # A worker may update messages: giving one a key another message holds leaves it
+            # without one, and a key it holds cannot be taken over by retrying a copy.
+            conn.execute(
+                "UPDATE pgskip.jobs SET unique_key = 'held' WHERE id OPERATOR(pg_catalog.=) %s",
+                (other,),
+            )
+            conn.execute(
+                "UPDATE pgskip.jobs SET status = 'failed', unique_key = 'held'"
+                " WHERE id OPERATOR(pg_catalog.=) %s",
+                (other,),
+            )
+            conn.execute(
+                "UPDATE pgskip.jobs SET status = 'pending' WHERE id OPERATOR(pg_catalog.=) %s",
+                (other,),
+            )
+    keys = "SELECT id, status::text, unique_key FROM pgskip.jobs WHERE queue = 'keys' ORDER BY id"
+    assert rows(hostile.db_url, keys) == [
+        (held, "pending", "held"),
+        (other, "pending", None),
+        (mine[0][0], "pending", "mine"),
+    ]
+    assert rows(hostile.db_url, claims) == [("keys", "held", held), ("keys", "mine", mine[0][0])]
     assert hostile.snapshot() == before
 
 
@@ -479,6 +553,16 @@ def _publisher_duties(d: Deployment) -> None:
         store.publish_many([message, message.to("audit")])
         app = safety_app(broker(d.url("publisher")))
         app.send_task("safetyapp.noop", queue="later", countdown=3600)
+    # A message with a unique key, twice, from a session that looks in public first: the
+    # trigger that claims the key runs as the owner, with the schema's own path.
+    with psycopg.connect(d.url("publisher"), autocommit=True) as conn:
+        conn.execute("SET search_path TO public, pg_catalog")
+        for written in (1, 0):
+            done = conn.execute(
+                "INSERT INTO pgskip.jobs (queue, payload, unique_key)"
+                " VALUES ('orders', '{}', 'duties') RETURNING id"
+            )
+            assert len(done.fetchall()) == written
 
 
 def _worker_duties(d: Deployment) -> None:
@@ -512,6 +596,20 @@ def _worker_duties(d: Deployment) -> None:
         got = queue(conn.channel()).get(no_ack=False)
         if got is not None:
             got.ack()
+    # A message with a unique key fails and comes back with it (the claim runs as the owner
+    # again), from a session that looks in public first: its own operators are pg_catalog's.
+    with psycopg.connect(d.url("worker"), autocommit=True) as conn:
+        conn.execute("SET search_path TO public, pg_catalog")
+        keyed = conn.execute(
+            "INSERT INTO pgskip.jobs (queue, payload, unique_key)"
+            " VALUES ('orders', '{}', 'worker-duties') RETURNING id"
+        ).fetchone()
+        assert keyed is not None
+        for status in ("failed", "pending"):
+            conn.execute(
+                "UPDATE pgskip.jobs SET status = %s WHERE id OPERATOR(pg_catalog.=) %s",
+                (status, keyed[0]),
+            )
 
 
 @pytest.mark.parametrize("attacker", ATTACKERS)
@@ -698,7 +796,7 @@ def _breakages(d: Deployment) -> list[tuple[set[str], list[str], list[str]]]:
          ["ALTER FUNCTION pgskip.expire_queues() RESET search_path"],
          ["ALTER FUNCTION pgskip.expire_queues()"
           " SET search_path = pgskip, pg_catalog, pg_temp"]),
-        ({"no SECURITY DEFINER function"},
+        ({"no SECURITY DEFINER function but claim_unique_key()"},
          ["ALTER FUNCTION pgskip.sweep(integer) SECURITY DEFINER"],
          ["ALTER FUNCTION pgskip.sweep(integer) SECURITY INVOKER"]),
         ({"types not usable by PUBLIC"},
@@ -729,6 +827,15 @@ def _breakages(d: Deployment) -> list[tuple[set[str], list[str], list[str]]]:
         ({f"role {wrk}: privileges of a worker"},
          [f'GRANT TRIGGER ON pgskip.jobs TO "{wrk}"'],
          [f'REVOKE TRIGGER ON pgskip.jobs FROM "{wrk}"']),
+        ({f"role {pub}: privileges of a publisher"},
+         [f'GRANT SELECT ON pgskip.unique_keys TO "{pub}"'],
+         [f'REVOKE SELECT ON pgskip.unique_keys FROM "{pub}"']),
+        ({f"role {wrk}: privileges of a worker"},
+         [f'GRANT EXECUTE ON FUNCTION pgskip.claim_unique_key() TO "{wrk}"'],
+         [f'REVOKE EXECUTE ON FUNCTION pgskip.claim_unique_key() FROM "{wrk}"']),
+        ({"no SECURITY DEFINER function but claim_unique_key()"},
+         ["ALTER FUNCTION pgskip.prune_unique_keys(integer) SECURITY DEFINER"],
+         ["ALTER FUNCTION pgskip.prune_unique_keys(integer) SECURITY INVOKER"]),
         ({"PUBLIC has no privilege on the schema", f"role {pub}: privileges of a publisher"},
          ["GRANT SELECT ON pgskip.jobs TO PUBLIC"],
          ["REVOKE SELECT ON pgskip.jobs FROM PUBLIC"]),
@@ -969,6 +1076,42 @@ def test_migration_0025_lets_workers_granted_before_it_run_the_limited_fetch(
                 True, True, True, False, False,
             )  # fmt: skip
             assert conn.execute(limits, {"r": publisher.name}).fetchone() == (False,) * 5
+
+
+def test_migration_0026_claims_keys_for_roles_granted_before_it_and_grants_them_nothing(
+    any_pg_server: PgServer, versioned_empty_db_url: str, tmp_path: Any
+) -> None:
+    """The claims of unique keys need no privilege of the roles that publish and retry keyed
+    messages: roles granted by `pgskip grant` before the upgrade publish keyed tasks, are told
+    of a held key, and retry a failed one, and may read or execute nothing new."""
+    db_url = versioned_empty_db_url
+    with _granted_before(any_pg_server, db_url, tmp_path, 26) as (worker, publisher):
+        keyed = NewMessage("q", 0, "pending", None, "{}", "t", "1", None, "k")
+        store = Store(broker(publisher.url(db_url)))
+        try:
+            held = store.publish(keyed)
+            assert held is not None
+            assert store.publish(keyed) is None, "the key is held"
+        finally:
+            store.close()
+        with psycopg.connect(worker.url(db_url), autocommit=True) as conn:
+            conn.execute("UPDATE pgskip.jobs SET status = 'failed' WHERE id = %s", (held,))
+        store = Store(broker(publisher.url(db_url)))
+        try:
+            taken = store.publish(keyed)
+            assert taken is not None, "a failed message holds no key"
+        finally:
+            store.close()
+        done = _cli(worker.url(db_url), "retry-failed")
+        assert done.returncode == 0, done.stderr
+        assert rows(db_url, "SELECT id, status::text, unique_key FROM pgskip.jobs ORDER BY id") == [
+            (held, "pending", None),
+            (taken, "pending", "k"),
+        ]
+        for role in (worker, publisher):
+            with psycopg.connect(role.url(db_url)) as conn:
+                _denied(conn, "SELECT * FROM pgskip.unique_keys")
+                _denied(conn, "SELECT pgskip.claim_unique_key()")
 
 
 def test_a_publisher_cannot_revoke_a_waiting_message(tidy: Deployment) -> None:

@@ -40,12 +40,16 @@ def _notes(conn: psycopg.Connection[Any], n: int) -> list[tuple[str, str]]:
 
 
 def test_the_insert_trigger_is_gone(db_url: str) -> None:
+    """No trigger of jobs notifies: the only ones claim unique keys (migration 0026)."""
     with psycopg.connect(db_url) as conn:
         triggers = conn.execute(
-            "SELECT tgname FROM pg_trigger WHERE tgrelid = 'pgskip.jobs'::regclass "
-            "AND NOT tgisinternal"
+            "SELECT tgname::text, tgfoid::regprocedure::text FROM pg_trigger"
+            " WHERE tgrelid = 'pgskip.jobs'::regclass AND NOT tgisinternal ORDER BY 1"
         ).fetchall()
-    assert triggers == []
+    assert triggers == [
+        ("jobs_claim_unique_key", "pgskip.claim_unique_key()"),
+        ("jobs_reclaim_unique_key", "pgskip.claim_unique_key()"),
+    ]
 
 
 def test_each_insert_statement_notifies_with_the_trigger_s_payloads(db_url: str) -> None:
