@@ -242,14 +242,15 @@ Sizes = tuple[int, int, int, int, float | None]
 
 
 def _sizes(conn: psycopg.Connection[Any]) -> Sizes:
-    """``jobs``: main fork, indexes, TOAST (with its index) in bytes; its autovacuum count and
-    when the last one ended (epoch seconds)."""
+    """``jobs`` (summed over its partitions when it has some): main fork, indexes, TOAST (with
+    its index) in bytes; its autovacuum count and when the last one ended (epoch seconds)."""
     row = conn.execute(
-        "SELECT pg_relation_size(c.oid), pg_indexes_size(c.oid),"
-        " coalesce(pg_total_relation_size(nullif(c.reltoastrelid, 0)), 0),"
-        " coalesce(pg_stat_get_autovacuum_count(c.oid), 0),"
-        " extract(epoch FROM pg_stat_get_last_autovacuum_time(c.oid))::float8"
-        " FROM pg_class c WHERE c.oid = 'pgskip.jobs'::regclass"
+        "SELECT sum(pg_relation_size(c.oid)), sum(pg_indexes_size(c.oid)),"
+        " sum(coalesce(pg_total_relation_size(nullif(c.reltoastrelid, 0)), 0)),"
+        " sum(coalesce(pg_stat_get_autovacuum_count(c.oid), 0)),"
+        " extract(epoch FROM max(pg_stat_get_last_autovacuum_time(c.oid)))::float8"
+        " FROM pg_partition_tree('pgskip.jobs') AS t JOIN pg_class c ON c.oid = t.relid"
+        " WHERE t.isleaf"
     ).fetchone()
     assert row is not None
     last = None if row[4] is None else float(row[4])

@@ -57,9 +57,9 @@ HOLDER_QUERY = "SELECT count(*) FROM pgskip.jobs /* held snapshot */"
 _NOT_REMOVABLE = re.compile(r"(\d+) are dead but not yet removable")
 _WARNING = re.compile(r"^.*WARNING.*xmin horizon.*$", re.MULTILINE)
 _INSERT = sql.SQL(
-    "INSERT INTO {s}.jobs (queue, payload, task_name, task_id)"
+    "INSERT INTO {s}.jobs (queue, payload, task_name, task_id, slot)"
     " SELECT %(queue)s, jsonb_set(%(payload)s::jsonb, '{{headers,id}}', to_jsonb(u))::json,"
-    " %(task)s, u FROM (SELECT gen_random_uuid()::text AS u"
+    " %(task)s, u, (SELECT slot FROM {s}.jobs_rotation) FROM (SELECT gen_random_uuid()::text AS u"
     " FROM generate_series(1, %(n)s)) AS g"
 ).format(s=sql.Identifier(SCHEMA))
 T = TypeVar("T")
@@ -230,8 +230,8 @@ def _one(conn: psycopg.Connection[Any], query: str, params: Any = None) -> Any:
 
 def _sizes(conn: psycopg.Connection[Any]) -> tuple[int, int, int]:
     row = conn.execute(
-        "SELECT pg_total_relation_size('pgskip.jobs'), pg_relation_size('pgskip.jobs'),"
-        " pg_indexes_size('pgskip.jobs')"
+        "SELECT sum(pg_total_relation_size(relid)), sum(pg_relation_size(relid)),"
+        " sum(pg_indexes_size(relid)) FROM pg_partition_tree('pgskip.jobs') WHERE isleaf"
     ).fetchone()
     assert row is not None
     return int(row[0]), int(row[1]), int(row[2])

@@ -6,7 +6,8 @@ Celery payload (one statement per 15,000, cheaper for the bench's own process th
 transport's own ``fetch`` (100 at a time) and ``ack`` statements (``Store.fetch`` /
 ``Store.ack``, one ack statement per batch), bypassing kombu so that a million messages take
 minutes, not an hour. Pruning: the schema's ``prune()`` function every 2 seconds with the given
-retention; where the schema has none, a plain ``DELETE`` of completed rows older than it.
+retention; where the schema has none, a plain ``DELETE`` of completed rows older than it. The
+ring of slots: ``rotate()`` every second, as the workers run it, with the same retention.
 
 Recorded: table, index and TOAST sizes and dead tuples along the way; the fetch statement's
 latency along the way; and a controlled probe (10,000 pending rows, 50 fetches of 100 and their
@@ -28,8 +29,14 @@ from .common import log, percentile
 
 QUEUE = "steady"
 FILL = (
-    "INSERT INTO pgskip.jobs (queue, payload, task_name, task_id) "
-    "SELECT %s, %s::json, 'bench.noop', gen_random_uuid()::text FROM generate_series(1, %s)"
+    "INSERT INTO pgskip.jobs (queue, payload, task_name, task_id, slot) "
+    "SELECT %s, %s::json, 'bench.noop', gen_random_uuid()::text,"
+    " (SELECT slot FROM pgskip.jobs_rotation) FROM generate_series(1, %s)"
+)
+#: What each worker runs every second: the ring of slots moves on, finished slots are emptied.
+ROTATE_FN = "SELECT * FROM pgskip.rotate()"
+ROTATION_RETENTION = (
+    "UPDATE pgskip.jobs_rotation SET completed_retention = make_interval(secs => %s)"
 )
 PRUNE = (
     "WITH d AS (DELETE FROM pgskip.jobs WHERE status = 'completed' "
@@ -37,16 +44,19 @@ PRUNE = (
 )
 PRUNE_FN = "SELECT completed FROM pgskip.prune(make_interval(secs => %s), NULL)"
 SIZES = """
-SELECT pg_relation_size('pgskip.jobs'), pg_indexes_size('pgskip.jobs'),
-       pg_total_relation_size('pgskip.jobs'),
-       COALESCE(pg_total_relation_size(reltoastrelid), 0),
-       s.n_live_tup, s.n_dead_tup, s.autovacuum_count, s.autoanalyze_count
-  FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid
- WHERE c.oid = 'pgskip.jobs'::regclass
+WITH t AS (SELECT relid FROM pg_partition_tree('pgskip.jobs') WHERE isleaf)
+SELECT sum(pg_relation_size(c.oid))::float8, sum(pg_indexes_size(c.oid))::float8,
+       sum(pg_total_relation_size(c.oid))::float8,
+       sum(COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0))::float8,
+       sum(s.n_live_tup)::bigint, sum(s.n_dead_tup)::bigint, sum(s.autovacuum_count)::bigint,
+       sum(s.autoanalyze_count)::bigint
+  FROM t JOIN pg_class c ON c.oid = t.relid JOIN pg_stat_user_tables s ON s.relid = c.oid
 """
 INDEX_SIZES = """
 SELECT indexrelid::regclass::text, pg_relation_size(indexrelid)
-  FROM pg_index WHERE indrelid = 'pgskip.jobs'::regclass ORDER BY 1
+  FROM pg_index
+ WHERE indrelid IN (SELECT relid FROM pg_partition_tree('pgskip.jobs') WHERE isleaf)
+ ORDER BY 1
 """
 
 
@@ -166,6 +176,8 @@ def steady_state(
         _set_naptime(conn, autovacuum_naptime)
         conn.execute("TRUNCATE pgskip.jobs")  # start from an empty file, whatever ran before
         conn.execute("VACUUM ANALYZE pgskip.jobs")
+        # As `pgskip maintenance` writes the retention it prunes with.
+        conn.execute(ROTATION_RETENTION, (retention,))
         row = conn.execute("SELECT to_regproc('pgskip.prune') IS NOT NULL").fetchone()
     has_prune = bool(row and row[0])
     prune_sql = PRUNE_FN if has_prune else PRUNE
@@ -197,7 +209,7 @@ def steady_state(
         inserted += 20_000
         for p in procs:
             p.start()
-        next_prune = next_sample = time.time()
+        next_prune = next_sample = next_rotate = time.time()
         while not stop.is_set() and any(p.is_alive() for p in procs):
             now = time.time()
             row = conn.execute(
@@ -215,6 +227,9 @@ def steady_state(
                 prune_ms.append(1000 * (time.perf_counter() - c0))
                 pruned += int(pr[0]) if pr else 0
                 next_prune = time.time() + 2.0
+            if now >= next_rotate:
+                conn.execute(ROTATE_FN)
+                next_rotate = time.time() + 1.0
             if now >= next_sample:
                 s = _sizes(conn)
                 s.update(t=round(now - t0, 1), processed=done.value, pending=pending)

@@ -12,7 +12,9 @@ its own:
   (:mod:`~kombu_pgskip.sweeper`), what is paused or limited among their queues
   (:class:`~kombu_pgskip.pausing.PauseWatch`, :class:`~kombu_pgskip.limits.LimitWatch`) and
   the check of the xmin horizon (:class:`~kombu_pgskip.health.HorizonMonitor`, throttled by
-  itself). Each of its statements
+  itself), and the rotation of ``jobs``' slots every ``ROTATE_S`` (:meth:`Store.rotate`: one
+  worker of the fleet at a time does it, the others find it taken and go on). Each of its
+  statements
   waits for locks and runs only within a budget of half the renewal interval, so the next
   renewal is never late by more than that.
 
@@ -64,6 +66,10 @@ logger = logging.getLogger(__name__)
 #: The first retry of a failed renewal; each further one waits twice as long, up to the
 #: renewal interval.
 RETRY_S = 0.5
+#: How often each worker rotates ``jobs``' slots (migration 0027): often enough that a slot of
+#: 20,000 ids is left soon after it fills at full speed, and emptied soon after its messages
+#: finish.
+ROTATE_S = 1.0
 #: How long after the grace a sweep that found a consumer without its lock sweeps again.
 GRACE_MARGIN_S = 0.1
 #: Longest wait between two looks at the stop flag and at the consumers to renew, while the
@@ -114,7 +120,7 @@ class Background(threading.Thread):
 
     def run(self) -> None:
         now = time.monotonic()
-        renew_at = sweep_at = now
+        renew_at = sweep_at = rotate_at = now
         first_sweep = True
         try:
             while not self.stop_event.is_set():
@@ -140,9 +146,12 @@ class Background(threading.Thread):
                     self._housekeep("sweep", self._sweep, deadline)
                     if self._suspects:  # a consumer's lock is gone: dead once the grace is over
                         sweep_at = min(sweep_at, time.monotonic() + LOCK_GRACE_S + GRACE_MARGIN_S)
+                if now >= rotate_at:
+                    rotate_at = now + ROTATE_S
+                    self._housekeep("rotation", self._rotate, time.monotonic() + self.budget)
                 self.horizon.maybe_check()  # throttled; logs its own failures
                 self.cron_runs.maybe_check()  # throttled; runs in a thread of its own
-                if self._wait(min(renew_at, sweep_at)):
+                if self._wait(min(renew_at, sweep_at, rotate_at)):
                     renew_at = time.monotonic()
         finally:
             self.lease_store.close()
@@ -264,6 +273,25 @@ class Background(threading.Thread):
                 self.limits.check(self.store, consumers)
 
         return check
+
+    def _rotate(self, deadline: float) -> None:
+        with self.store.bounded(deadline - time.monotonic()):
+            emptied, moved, current = self.store.rotate()
+        if moved:
+            logger.info(
+                "rotation: %d messages still to keep moved to jobs_kept from the slot now current"
+                " (%d)",
+                moved,
+                current,
+                extra={"action": "rotate", "moved": moved, "slot": current},
+            )
+        elif emptied:
+            logger.debug(
+                "rotation: %d slots emptied, slot %d current",
+                emptied,
+                current,
+                extra={"action": "rotate", "emptied": emptied, "slot": current},
+            )
 
     def _sweep(self, deadline: float) -> None:
         self._suspects = self.sweeper(self.store, deadline=deadline)

@@ -53,7 +53,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import cron, exceptions
-from .grants import PUBLISHER_PRIVILEGES, WORKER_FUNCTIONS, WORKER_PRIVILEGES, Privilege
+from .grants import (
+    PUBLISHER_FUNCTIONS,
+    PUBLISHER_PRIVILEGES,
+    WORKER_FUNCTIONS,
+    WORKER_PRIVILEGES,
+    Privilege,
+)
 from .health import HorizonHolder
 from .health import _remedy as _horizon_remedy
 from .migrate import applied_migrations, load_migrations, require_version, window_floor
@@ -64,7 +70,7 @@ from .urls import Connection, connect, mask_url
 #: name and operator instead.
 QUALIFIED_PROCEDURES = frozenset({"prune_in_batches"})
 #: The one function of ours that runs as its owner: the trigger of ``jobs`` that claims a
-#: message's unique key in ``unique_keys`` (migration 0026), a table no other role may read or
+#: message's unique key in ``unique_keys`` (migration 0027), a table no other role may read or
 #: write. No role but the owner may execute it (so none may attach it to a table of its own),
 #: and it pins the search path, as every function does.
 DEFINER_FUNCTIONS = frozenset({"claim_unique_key()"})
@@ -279,10 +285,12 @@ class Doctor:
     def jobs_storage(self) -> Check:
         name = "autovacuum settings of jobs"
         row = self.rows("jobs_storage")
-        table = f"{self._ident()}.jobs"
         if not row:
+            table = f"{self._ident()}.jobs"
             return Check(name, FAIL, f"no table {table}: run `celery -A proj pgskip migrate`")
-        options, server_autovacuum = row[0]
+        options, server_autovacuum, relname = row[0]
+        # Since migration 0027, jobs_kept: the partition vacuum looks after.
+        table = f"{self._ident()}.{relname}"
         have = dict(str(o).split("=", 1) for o in options or ())
         if not server_autovacuum:
             return Check(
@@ -664,8 +672,8 @@ class Doctor:
         what = "worker" if worker else "publisher"
         name = f"role {role}: privileges of a {what}"
         expected = expected_privileges(WORKER_PRIVILEGES if worker else PUBLISHER_PRIVILEGES)
-        if worker:
-            expected |= {(f, "EXECUTE", None) for f in WORKER_FUNCTIONS}
+        functions = WORKER_FUNCTIONS if worker else PUBLISHER_FUNCTIONS
+        expected |= {(f, "EXECUTE", None) for f in functions}
         held = self._held(role)
         extra = held - expected
         # A column privilege is covered by the same privilege on the whole table.

@@ -32,6 +32,8 @@ from . import exceptions
 from .urls import connect, mask_url, to_conninfo
 
 ALL_ROWS = "SELECT, INSERT, UPDATE, DELETE"
+#: The slots of jobs (migration 0027): partitions jobs_1 to jobs_8, and jobs_kept.
+JOB_SLOTS = 8
 
 # (table, privileges, columns): columns restrict the privileges to them (column-level grant).
 Privilege = tuple[str, str, tuple[str, ...]]
@@ -53,6 +55,11 @@ WORKER_PRIVILEGES: tuple[Privilege, ...] = (
     # sets the limits (migration 0025).
     ("queue_limits", "SELECT", ()),
     ("queue_limits", "UPDATE", ("tokens", "refilled_at")),
+    # rotate(): the ring of jobs' slots moves on, and a slot that holds nothing to keep is
+    # emptied with TRUNCATE, no more than the DELETE above allows (migration 0027).
+    ("jobs_rotation", "SELECT", ()),
+    ("jobs_rotation", "UPDATE", ("slot", "first_id", "since")),
+    *((f"jobs_{k}", "TRUNCATE", ()) for k in range(1, JOB_SLOTS + 1)),
 )
 #: The columns a publish writes: a publisher cannot insert a message already running under a
 #: consumer, already attempted, or with an id of its choosing.
@@ -67,11 +74,15 @@ PUBLISHED_COLUMNS = (
     "expires_at",
     "unique_key",
     "concurrency_key",
+    # The current slot, read by the publish's own statement (migration 0027).
+    "slot",
 )
 PUBLISHER_PRIVILEGES: tuple[Privilege, ...] = (
     ("jobs", "INSERT", PUBLISHED_COLUMNS),
     # INSERT ... RETURNING id (publish) and queue (routed publish); counts for queue_declare.
     ("jobs", "SELECT", ("id", "queue", "status")),
+    # The current slot of jobs, which the publish writes (migration 0027).
+    ("jobs_rotation", "SELECT", ()),
     ("queues", "SELECT", ()),
     (
         "queues",
@@ -88,7 +99,15 @@ PUBLISHER_PRIVILEGES: tuple[Privilege, ...] = (
     ("migrations", "SELECT", ()),
 )
 #: The maintenance a live worker runs itself, as the pg_cron jobs do when none runs.
-WORKER_FUNCTIONS = ("expire_queues()", "sweep(integer)")
+WORKER_FUNCTIONS = (
+    "expire_queues()",
+    "sweep(integer)",
+    "rotate()",
+    "rotation_keeps(smallint, interval)",
+    "current_slot()",
+)
+#: The default of jobs.slot, which inserts that do not write the slot use (migration 0027).
+PUBLISHER_FUNCTIONS = ("current_slot()",)
 
 
 @dataclass(frozen=True)
@@ -130,13 +149,12 @@ def grant_statements(
                         sql.SQL(privileges), cols, sql.Identifier(schema, table), who
                     )
                 )
-            if what == "worker":
-                for function in WORKER_FUNCTIONS:
-                    add(
-                        sql.SQL("GRANT EXECUTE ON FUNCTION {}.{} TO {}").format(
-                            ident, sql.SQL(function), who
-                        )
+            for function in WORKER_FUNCTIONS if what == "worker" else PUBLISHER_FUNCTIONS:
+                add(
+                    sql.SQL("GRANT EXECUTE ON FUNCTION {}.{} TO {}").format(
+                        ident, sql.SQL(function), who
                     )
+                )
     return grants
 
 

@@ -167,6 +167,8 @@ def maintenance_jobs(
     sweep = sql.SQL("SELECT {}.sweep({})").format(ident, sql.Literal(config.max_attempts))
     if _has_routine(app_conn, schema, "expire_queues()"):
         sweep = sql.SQL("{}; SELECT {}.expire_queues()").format(sweep, ident)
+    if _has_routine(app_conn, schema, "rotate()"):
+        sweep = sql.SQL("{}; SELECT {}.rotate()").format(sweep, ident)
     jobs.append(
         cron.Job(
             prefix + "sweep", config.sweep_schedule, sweep.as_string(conn), server.app_database
@@ -229,6 +231,11 @@ def install(
     prefix = cron.job_prefix(server.app_database, schema)
     with connect(url) as app_conn, cron.cron_session(url, server) as conn:
         wanted = [] if remove else maintenance_jobs(server, schema, config, conn, app_conn)
+        if not remove and _has_routine(app_conn, schema, "rotate()"):
+            app_conn.execute(
+                queries_in("maintenance.sql", schema)["set_rotation_retention"],
+                {"completed_after": config.completed_retention},
+            )
         return cron.ensure_jobs(
             conn, server, wanted, manage_prefixes=[prefix + name for name in MAINTENANCE_JOBS]
         )
@@ -244,10 +251,15 @@ def remove_all_jobs(url: str, schema: str, cron_database: str | None = None) -> 
 
 
 def run_once(url: str, schema: str, config: MaintenanceConfig) -> dict[str, int]:
-    """Sweep and prune once, now (``pgskip tick``): what the pg_cron jobs do."""
+    """Sweep, rotate ``jobs``' slots and prune once, now (``pgskip tick``): what the pg_cron
+    jobs do."""
     q = queries_in("periodic.sql", schema)
     with connect(url) as conn:
         sweep = conn.execute(q["sweep"], {"max_attempts": config.max_attempts}).fetchone()
+        rotated = (0, 0)
+        if _has_routine(conn, schema, "rotate()"):
+            row = conn.execute(queries_in("maintenance.sql", schema)["rotate"]).fetchone()
+            rotated = (int(row[0]), int(row[1])) if row else rotated
         prune = conn.execute(
             q["prune_in_batches" if _has_batches(conn, schema) else "prune"],
             {
@@ -265,6 +277,8 @@ def run_once(url: str, schema: str, config: MaintenanceConfig) -> dict[str, int]
         "pruned_completed": int(prune[0]),
         "pruned_failed": int(prune[1]),
         "pruned_slots": int(prune[2]),
+        "slots_emptied": rotated[0],
+        "moved_to_jobs_kept": rotated[1],
     }
 
 

@@ -723,6 +723,13 @@ class Store:
         if a sweep ``LOCK_GRACE_S`` later still finds them so (unless a renewal clears them)."""
         return int(self.execute("suspected_consumers", {})[0][0])
 
+    def rotate(self) -> tuple[int, int, int]:
+        """Move the ring of ``jobs``' slots on when the current one has given out its ids, and
+        empty the slots that hold nothing to keep: (slots emptied, messages moved to
+        ``jobs_kept``, the current slot). Returns at once when another session rotates."""
+        row = self.execute("rotate", {})[0]
+        return int(row[0]), int(row[1]), int(row[2])
+
     def drop_expired(self, limit: int = DROP_EXPIRED_BATCH) -> int:
         """Delete up to ``limit`` waiting messages whose TTL ran out, skipping rows another
         session has locked; returns how many."""

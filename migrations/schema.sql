@@ -343,6 +343,17 @@ END
 $$;
 
 --
+-- Name: current_slot(); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.current_slot() RETURNS smallint
+    LANGUAGE sql STABLE
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+    SELECT slot FROM jobs_rotation
+$$;
+
+--
 -- Name: expire_queues(); Type: FUNCTION; Schema: pgskip; Owner: -
 --
 
@@ -609,6 +620,100 @@ END
 $$;
 
 --
+-- Name: rotate(); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.rotate(OUT emptied integer, OUT moved bigint, OUT current smallint) RETURNS record
+    LANGUAGE plpgsql
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+DECLARE
+    r     jobs_rotation;
+    k     integer;
+    n     bigint;
+    last  bigint;
+    part  text;
+    kept  bigint[];
+BEGIN
+    emptied := 0;
+    moved := 0;
+    -- One rotation at a time: the others skip, they would find nothing left to do.
+    SELECT * INTO r FROM jobs_rotation FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        SELECT slot INTO current FROM jobs_rotation;
+        RETURN;
+    END IF;
+    current := r.slot;
+    PERFORM set_config('lock_timeout', '100ms', true);
+    -- Empty the slots behind the current one that hold nothing to keep.
+    FOR k IN 1 .. r.slots LOOP
+        CONTINUE WHEN k = r.slot;
+        part := 'jobs_' || k;
+        CONTINUE WHEN pg_relation_size(part::regclass) = 0;
+        CONTINUE WHEN rotation_keeps(k::smallint, r.completed_retention);
+        BEGIN
+            EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);
+            -- Under the lock, nothing writes the slot: look again (a publish that read this
+            -- slot as current just before the ring moved on may have written to it).
+            IF NOT rotation_keeps(k::smallint, r.completed_retention) THEN
+                EXECUTE format('TRUNCATE %I', part);
+                emptied := emptied + 1;
+            END IF;
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;  -- read by a statement or an open transaction: next time
+        END;
+    END LOOP;
+    -- Move the ring on.
+    SELECT max(id) INTO last FROM jobs WHERE slot = r.slot;
+    IF last - r.first_id + 1 >= r.slot_rows THEN
+        k := r.slot % r.slots + 1;
+        part := 'jobs_' || k;
+        BEGIN
+            IF pg_relation_size(part::regclass) > 0 THEN
+                EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);
+                SELECT coalesce(array_agg(id), '{}') INTO kept FROM jobs
+                 WHERE slot = k
+                   AND (status IN ('scheduled', 'pending', 'running', 'failed')
+                        OR (status = 'completed'
+                            AND finished_at > now() - r.completed_retention));
+                UPDATE jobs SET slot = 0 WHERE slot = k AND id = ANY (kept);
+                -- Every one of them is in jobs_kept before the slot is emptied, or nothing
+                -- is done (a trigger that refused a row would otherwise lose it).
+                n := (SELECT count(*) FROM jobs WHERE slot = 0 AND id = ANY (kept));
+                IF n <> cardinality(kept) THEN
+                    RAISE EXCEPTION 'rotate(): % of the % messages to keep of slot % reached '
+                                    'jobs_kept; the slot is left as it is', n, cardinality(kept), k;
+                END IF;
+                moved := moved + n;
+                EXECUTE format('TRUNCATE %I', part);
+                emptied := emptied + 1;
+            END IF;
+            UPDATE jobs_rotation SET slot = k, first_id = last + 1, since = now();
+            current := k;
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;
+        END;
+    END IF;
+END
+$$;
+
+--
+-- Name: rotation_keeps(smallint, interval); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.rotation_keeps(k smallint, completed_retention interval) RETURNS boolean
+    LANGUAGE sql STABLE
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+    SELECT EXISTS (SELECT FROM jobs WHERE slot = k AND status = 'pending')
+        OR EXISTS (SELECT FROM jobs WHERE slot = k AND status = 'scheduled')
+        OR EXISTS (SELECT FROM jobs WHERE slot = k AND status = 'running')
+        OR EXISTS (SELECT FROM jobs WHERE slot = k AND status = 'failed')
+        OR EXISTS (SELECT FROM jobs WHERE slot = k AND status = 'completed'
+                                      AND finished_at > now() - completed_retention)
+$$;
+
+--
 -- Name: sweep(integer); Type: FUNCTION; Schema: pgskip; Owner: -
 --
 
@@ -796,9 +901,16 @@ CREATE TABLE pgskip.jobs (
     last_error text,
     delivery bigint,
     unique_key text,
-    concurrency_key text
+    concurrency_key text,
+    slot smallint DEFAULT pgskip.current_slot() NOT NULL
 )
-WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_vacuum_insert_scale_factor='0.05', autovacuum_analyze_scale_factor='0.05', autovacuum_vacuum_cost_delay='0');
+PARTITION BY LIST (slot);
+
+--
+-- Name: TABLE jobs; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON TABLE pgskip.jobs IS 'one row per message of a queue, in a ring of partitions by slot (jobs_rotation)';
 
 --
 -- Name: COLUMN jobs.unique_key; Type: COMMENT; Schema: pgskip; Owner: -
@@ -813,6 +925,236 @@ COMMENT ON COLUMN pgskip.jobs.unique_key IS 'no other message of the queue holds
 COMMENT ON COLUMN pgskip.jobs.concurrency_key IS 'what a per-key concurrency limit of the queue counts by (pgskip_concurrency_key)';
 
 --
+-- Name: COLUMN jobs.slot; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.jobs.slot IS 'the partition the message is in: 1 to jobs_rotation.slots, or 0 (jobs_kept)';
+
+--
+-- Name: jobs_1; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.jobs_1 (
+    id bigint NOT NULL,
+    queue text NOT NULL,
+    priority smallint DEFAULT 0 NOT NULL,
+    status pgskip.job_status DEFAULT 'pending'::pgskip.job_status NOT NULL,
+    run_at timestamp with time zone DEFAULT now() NOT NULL,
+    payload json NOT NULL,
+    task_name text,
+    task_id text,
+    attempts integer DEFAULT 0 NOT NULL,
+    redelivered boolean DEFAULT false NOT NULL,
+    locked_by uuid,
+    locked_at timestamp with time zone,
+    expires_at timestamp with time zone,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone,
+    last_error text,
+    delivery bigint,
+    unique_key text,
+    concurrency_key text,
+    slot smallint DEFAULT pgskip.current_slot() NOT NULL
+)
+WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_vacuum_insert_scale_factor='0.05', autovacuum_analyze_scale_factor='0.05', autovacuum_vacuum_cost_delay='0');
+
+--
+-- Name: jobs_2; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.jobs_2 (
+    id bigint NOT NULL,
+    queue text NOT NULL,
+    priority smallint DEFAULT 0 NOT NULL,
+    status pgskip.job_status DEFAULT 'pending'::pgskip.job_status NOT NULL,
+    run_at timestamp with time zone DEFAULT now() NOT NULL,
+    payload json NOT NULL,
+    task_name text,
+    task_id text,
+    attempts integer DEFAULT 0 NOT NULL,
+    redelivered boolean DEFAULT false NOT NULL,
+    locked_by uuid,
+    locked_at timestamp with time zone,
+    expires_at timestamp with time zone,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone,
+    last_error text,
+    delivery bigint,
+    unique_key text,
+    concurrency_key text,
+    slot smallint DEFAULT pgskip.current_slot() NOT NULL
+)
+WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_vacuum_insert_scale_factor='0.05', autovacuum_analyze_scale_factor='0.05', autovacuum_vacuum_cost_delay='0');
+
+--
+-- Name: jobs_3; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.jobs_3 (
+    id bigint NOT NULL,
+    queue text NOT NULL,
+    priority smallint DEFAULT 0 NOT NULL,
+    status pgskip.job_status DEFAULT 'pending'::pgskip.job_status NOT NULL,
+    run_at timestamp with time zone DEFAULT now() NOT NULL,
+    payload json NOT NULL,
+    task_name text,
+    task_id text,
+    attempts integer DEFAULT 0 NOT NULL,
+    redelivered boolean DEFAULT false NOT NULL,
+    locked_by uuid,
+    locked_at timestamp with time zone,
+    expires_at timestamp with time zone,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone,
+    last_error text,
+    delivery bigint,
+    unique_key text,
+    concurrency_key text,
+    slot smallint DEFAULT pgskip.current_slot() NOT NULL
+)
+WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_vacuum_insert_scale_factor='0.05', autovacuum_analyze_scale_factor='0.05', autovacuum_vacuum_cost_delay='0');
+
+--
+-- Name: jobs_4; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.jobs_4 (
+    id bigint NOT NULL,
+    queue text NOT NULL,
+    priority smallint DEFAULT 0 NOT NULL,
+    status pgskip.job_status DEFAULT 'pending'::pgskip.job_status NOT NULL,
+    run_at timestamp with time zone DEFAULT now() NOT NULL,
+    payload json NOT NULL,
+    task_name text,
+    task_id text,
+    attempts integer DEFAULT 0 NOT NULL,
+    redelivered boolean DEFAULT false NOT NULL,
+    locked_by uuid,
+    locked_at timestamp with time zone,
+    expires_at timestamp with time zone,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone,
+    last_error text,
+    delivery bigint,
+    unique_key text,
+    concurrency_key text,
+    slot smallint DEFAULT pgskip.current_slot() NOT NULL
+)
+WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_vacuum_insert_scale_factor='0.05', autovacuum_analyze_scale_factor='0.05', autovacuum_vacuum_cost_delay='0');
+
+--
+-- Name: jobs_5; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.jobs_5 (
+    id bigint NOT NULL,
+    queue text NOT NULL,
+    priority smallint DEFAULT 0 NOT NULL,
+    status pgskip.job_status DEFAULT 'pending'::pgskip.job_status NOT NULL,
+    run_at timestamp with time zone DEFAULT now() NOT NULL,
+    payload json NOT NULL,
+    task_name text,
+    task_id text,
+    attempts integer DEFAULT 0 NOT NULL,
+    redelivered boolean DEFAULT false NOT NULL,
+    locked_by uuid,
+    locked_at timestamp with time zone,
+    expires_at timestamp with time zone,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone,
+    last_error text,
+    delivery bigint,
+    unique_key text,
+    concurrency_key text,
+    slot smallint DEFAULT pgskip.current_slot() NOT NULL
+)
+WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_vacuum_insert_scale_factor='0.05', autovacuum_analyze_scale_factor='0.05', autovacuum_vacuum_cost_delay='0');
+
+--
+-- Name: jobs_6; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.jobs_6 (
+    id bigint NOT NULL,
+    queue text NOT NULL,
+    priority smallint DEFAULT 0 NOT NULL,
+    status pgskip.job_status DEFAULT 'pending'::pgskip.job_status NOT NULL,
+    run_at timestamp with time zone DEFAULT now() NOT NULL,
+    payload json NOT NULL,
+    task_name text,
+    task_id text,
+    attempts integer DEFAULT 0 NOT NULL,
+    redelivered boolean DEFAULT false NOT NULL,
+    locked_by uuid,
+    locked_at timestamp with time zone,
+    expires_at timestamp with time zone,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone,
+    last_error text,
+    delivery bigint,
+    unique_key text,
+    concurrency_key text,
+    slot smallint DEFAULT pgskip.current_slot() NOT NULL
+)
+WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_vacuum_insert_scale_factor='0.05', autovacuum_analyze_scale_factor='0.05', autovacuum_vacuum_cost_delay='0');
+
+--
+-- Name: jobs_7; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.jobs_7 (
+    id bigint NOT NULL,
+    queue text NOT NULL,
+    priority smallint DEFAULT 0 NOT NULL,
+    status pgskip.job_status DEFAULT 'pending'::pgskip.job_status NOT NULL,
+    run_at timestamp with time zone DEFAULT now() NOT NULL,
+    payload json NOT NULL,
+    task_name text,
+    task_id text,
+    attempts integer DEFAULT 0 NOT NULL,
+    redelivered boolean DEFAULT false NOT NULL,
+    locked_by uuid,
+    locked_at timestamp with time zone,
+    expires_at timestamp with time zone,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone,
+    last_error text,
+    delivery bigint,
+    unique_key text,
+    concurrency_key text,
+    slot smallint DEFAULT pgskip.current_slot() NOT NULL
+)
+WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_vacuum_insert_scale_factor='0.05', autovacuum_analyze_scale_factor='0.05', autovacuum_vacuum_cost_delay='0');
+
+--
+-- Name: jobs_8; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.jobs_8 (
+    id bigint NOT NULL,
+    queue text NOT NULL,
+    priority smallint DEFAULT 0 NOT NULL,
+    status pgskip.job_status DEFAULT 'pending'::pgskip.job_status NOT NULL,
+    run_at timestamp with time zone DEFAULT now() NOT NULL,
+    payload json NOT NULL,
+    task_name text,
+    task_id text,
+    attempts integer DEFAULT 0 NOT NULL,
+    redelivered boolean DEFAULT false NOT NULL,
+    locked_by uuid,
+    locked_at timestamp with time zone,
+    expires_at timestamp with time zone,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone,
+    last_error text,
+    delivery bigint,
+    unique_key text,
+    concurrency_key text,
+    slot smallint DEFAULT pgskip.current_slot() NOT NULL
+)
+WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_vacuum_insert_scale_factor='0.05', autovacuum_analyze_scale_factor='0.05', autovacuum_vacuum_cost_delay='0');
+
+--
 -- Name: jobs_id_seq; Type: SEQUENCE; Schema: pgskip; Owner: -
 --
 
@@ -824,6 +1166,100 @@ ALTER TABLE pgskip.jobs ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
     NO MAXVALUE
     CACHE 1
 );
+
+--
+-- Name: jobs_kept; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.jobs_kept (
+    id bigint NOT NULL,
+    queue text NOT NULL,
+    priority smallint DEFAULT 0 NOT NULL,
+    status pgskip.job_status DEFAULT 'pending'::pgskip.job_status NOT NULL,
+    run_at timestamp with time zone DEFAULT now() NOT NULL,
+    payload json NOT NULL,
+    task_name text,
+    task_id text,
+    attempts integer DEFAULT 0 NOT NULL,
+    redelivered boolean DEFAULT false NOT NULL,
+    locked_by uuid,
+    locked_at timestamp with time zone,
+    expires_at timestamp with time zone,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone,
+    last_error text,
+    delivery bigint,
+    unique_key text,
+    concurrency_key text,
+    slot smallint DEFAULT 0 NOT NULL
+)
+WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_vacuum_insert_scale_factor='0.05', autovacuum_analyze_scale_factor='0.05', autovacuum_vacuum_cost_delay='0');
+
+--
+-- Name: COLUMN jobs_kept.unique_key; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.jobs_kept.unique_key IS 'no other message of the queue holds it while pending, scheduled or running (pgskip_unique)';
+
+--
+-- Name: COLUMN jobs_kept.concurrency_key; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.jobs_kept.concurrency_key IS 'what a per-key concurrency limit of the queue counts by (pgskip_concurrency_key)';
+
+--
+-- Name: jobs_rotation; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.jobs_rotation (
+    only_row boolean DEFAULT true NOT NULL,
+    slot smallint NOT NULL,
+    slots smallint NOT NULL,
+    slot_rows bigint NOT NULL,
+    first_id bigint NOT NULL,
+    since timestamp with time zone DEFAULT now() NOT NULL,
+    completed_retention interval DEFAULT '1 day'::interval NOT NULL,
+    CONSTRAINT jobs_rotation_check CHECK (((slot >= 1) AND (slot <= slots))),
+    CONSTRAINT jobs_rotation_only_row_check CHECK (only_row),
+    CONSTRAINT jobs_rotation_slot_rows_check CHECK ((slot_rows > 0)),
+    CONSTRAINT jobs_rotation_slots_check CHECK ((slots >= 2))
+);
+
+--
+-- Name: TABLE jobs_rotation; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON TABLE pgskip.jobs_rotation IS 'the slot of jobs new messages go to, and when rotate() moves on to the next one';
+
+--
+-- Name: COLUMN jobs_rotation.slot; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.jobs_rotation.slot IS 'the current slot: new messages go to jobs_<slot>';
+
+--
+-- Name: COLUMN jobs_rotation.slots; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.jobs_rotation.slots IS 'slots in the ring, jobs_1 to jobs_<slots>';
+
+--
+-- Name: COLUMN jobs_rotation.slot_rows; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.jobs_rotation.slot_rows IS 'ids the current slot gives out before the next';
+
+--
+-- Name: COLUMN jobs_rotation.first_id; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.jobs_rotation.first_id IS 'the first id given out in the current slot';
+
+--
+-- Name: COLUMN jobs_rotation.completed_retention; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.jobs_rotation.completed_retention IS 'a slot whose completed messages are younger than this is not emptied before it is needed (pgskip maintenance writes its completed_retention here)';
 
 --
 -- Name: migrations; Type: TABLE; Schema: pgskip; Owner: -
@@ -975,6 +1411,60 @@ COMMENT ON TABLE pgskip.unique_keys IS 'which message claimed each unique key of
 COMMENT ON COLUMN pgskip.unique_keys.job_id IS 'the message (jobs.id) that claimed the key last; it may have finished since (stale: the next claim takes the entry over)';
 
 --
+-- Name: jobs_1; Type: TABLE ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs ATTACH PARTITION pgskip.jobs_1 FOR VALUES IN ('1');
+
+--
+-- Name: jobs_2; Type: TABLE ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs ATTACH PARTITION pgskip.jobs_2 FOR VALUES IN ('2');
+
+--
+-- Name: jobs_3; Type: TABLE ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs ATTACH PARTITION pgskip.jobs_3 FOR VALUES IN ('3');
+
+--
+-- Name: jobs_4; Type: TABLE ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs ATTACH PARTITION pgskip.jobs_4 FOR VALUES IN ('4');
+
+--
+-- Name: jobs_5; Type: TABLE ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs ATTACH PARTITION pgskip.jobs_5 FOR VALUES IN ('5');
+
+--
+-- Name: jobs_6; Type: TABLE ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs ATTACH PARTITION pgskip.jobs_6 FOR VALUES IN ('6');
+
+--
+-- Name: jobs_7; Type: TABLE ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs ATTACH PARTITION pgskip.jobs_7 FOR VALUES IN ('7');
+
+--
+-- Name: jobs_8; Type: TABLE ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs ATTACH PARTITION pgskip.jobs_8 FOR VALUES IN ('8');
+
+--
+-- Name: jobs_kept; Type: TABLE ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs ATTACH PARTITION pgskip.jobs_kept FOR VALUES IN ('0');
+
+--
 -- Name: beat_entries beat_entries_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
 --
 
@@ -1010,11 +1500,74 @@ ALTER TABLE ONLY pgskip.exchanges
     ADD CONSTRAINT exchanges_pkey PRIMARY KEY (name);
 
 --
--- Name: jobs jobs_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+-- Name: jobs_1 jobs_1_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
 --
 
-ALTER TABLE ONLY pgskip.jobs
-    ADD CONSTRAINT jobs_pkey PRIMARY KEY (id);
+ALTER TABLE ONLY pgskip.jobs_1
+    ADD CONSTRAINT jobs_1_pkey PRIMARY KEY (id);
+
+--
+-- Name: jobs_2 jobs_2_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs_2
+    ADD CONSTRAINT jobs_2_pkey PRIMARY KEY (id);
+
+--
+-- Name: jobs_3 jobs_3_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs_3
+    ADD CONSTRAINT jobs_3_pkey PRIMARY KEY (id);
+
+--
+-- Name: jobs_4 jobs_4_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs_4
+    ADD CONSTRAINT jobs_4_pkey PRIMARY KEY (id);
+
+--
+-- Name: jobs_5 jobs_5_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs_5
+    ADD CONSTRAINT jobs_5_pkey PRIMARY KEY (id);
+
+--
+-- Name: jobs_6 jobs_6_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs_6
+    ADD CONSTRAINT jobs_6_pkey PRIMARY KEY (id);
+
+--
+-- Name: jobs_7 jobs_7_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs_7
+    ADD CONSTRAINT jobs_7_pkey PRIMARY KEY (id);
+
+--
+-- Name: jobs_8 jobs_8_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs_8
+    ADD CONSTRAINT jobs_8_pkey PRIMARY KEY (id);
+
+--
+-- Name: jobs_kept jobs_kept_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs_kept
+    ADD CONSTRAINT jobs_kept_pkey PRIMARY KEY (id);
+
+--
+-- Name: jobs_rotation jobs_rotation_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.jobs_rotation
+    ADD CONSTRAINT jobs_rotation_pkey PRIMARY KEY (only_row);
 
 --
 -- Name: migrations migrations_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
@@ -1067,43 +1620,691 @@ CREATE INDEX bindings_queue ON pgskip.bindings USING btree (queue);
 -- Name: jobs_completed; Type: INDEX; Schema: pgskip; Owner: -
 --
 
-CREATE INDEX jobs_completed ON pgskip.jobs USING btree (finished_at) WHERE (status = 'completed'::pgskip.job_status);
+CREATE INDEX jobs_completed ON ONLY pgskip.jobs USING btree (finished_at) WHERE (status = 'completed'::pgskip.job_status);
+
+--
+-- Name: jobs_completed_1; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_completed_1 ON pgskip.jobs_1 USING btree (finished_at) WHERE (status = 'completed'::pgskip.job_status);
+
+--
+-- Name: jobs_completed_2; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_completed_2 ON pgskip.jobs_2 USING btree (finished_at) WHERE (status = 'completed'::pgskip.job_status);
+
+--
+-- Name: jobs_completed_3; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_completed_3 ON pgskip.jobs_3 USING btree (finished_at) WHERE (status = 'completed'::pgskip.job_status);
+
+--
+-- Name: jobs_completed_4; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_completed_4 ON pgskip.jobs_4 USING btree (finished_at) WHERE (status = 'completed'::pgskip.job_status);
+
+--
+-- Name: jobs_completed_5; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_completed_5 ON pgskip.jobs_5 USING btree (finished_at) WHERE (status = 'completed'::pgskip.job_status);
+
+--
+-- Name: jobs_completed_6; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_completed_6 ON pgskip.jobs_6 USING btree (finished_at) WHERE (status = 'completed'::pgskip.job_status);
+
+--
+-- Name: jobs_completed_7; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_completed_7 ON pgskip.jobs_7 USING btree (finished_at) WHERE (status = 'completed'::pgskip.job_status);
+
+--
+-- Name: jobs_completed_8; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_completed_8 ON pgskip.jobs_8 USING btree (finished_at) WHERE (status = 'completed'::pgskip.job_status);
+
+--
+-- Name: jobs_completed_kept; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_completed_kept ON pgskip.jobs_kept USING btree (finished_at) WHERE (status = 'completed'::pgskip.job_status);
 
 --
 -- Name: jobs_dequeue; Type: INDEX; Schema: pgskip; Owner: -
 --
 
-CREATE INDEX jobs_dequeue ON pgskip.jobs USING btree (queue, priority DESC, run_at, id) WHERE (status = 'pending'::pgskip.job_status);
+CREATE INDEX jobs_dequeue ON ONLY pgskip.jobs USING btree (queue, priority DESC, run_at, id) WHERE (status = 'pending'::pgskip.job_status);
+
+--
+-- Name: jobs_dequeue_1; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_dequeue_1 ON pgskip.jobs_1 USING btree (queue, priority DESC, run_at, id) WHERE (status = 'pending'::pgskip.job_status);
+
+--
+-- Name: jobs_dequeue_2; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_dequeue_2 ON pgskip.jobs_2 USING btree (queue, priority DESC, run_at, id) WHERE (status = 'pending'::pgskip.job_status);
+
+--
+-- Name: jobs_dequeue_3; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_dequeue_3 ON pgskip.jobs_3 USING btree (queue, priority DESC, run_at, id) WHERE (status = 'pending'::pgskip.job_status);
+
+--
+-- Name: jobs_dequeue_4; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_dequeue_4 ON pgskip.jobs_4 USING btree (queue, priority DESC, run_at, id) WHERE (status = 'pending'::pgskip.job_status);
+
+--
+-- Name: jobs_dequeue_5; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_dequeue_5 ON pgskip.jobs_5 USING btree (queue, priority DESC, run_at, id) WHERE (status = 'pending'::pgskip.job_status);
+
+--
+-- Name: jobs_dequeue_6; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_dequeue_6 ON pgskip.jobs_6 USING btree (queue, priority DESC, run_at, id) WHERE (status = 'pending'::pgskip.job_status);
+
+--
+-- Name: jobs_dequeue_7; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_dequeue_7 ON pgskip.jobs_7 USING btree (queue, priority DESC, run_at, id) WHERE (status = 'pending'::pgskip.job_status);
+
+--
+-- Name: jobs_dequeue_8; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_dequeue_8 ON pgskip.jobs_8 USING btree (queue, priority DESC, run_at, id) WHERE (status = 'pending'::pgskip.job_status);
+
+--
+-- Name: jobs_dequeue_kept; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_dequeue_kept ON pgskip.jobs_kept USING btree (queue, priority DESC, run_at, id) WHERE (status = 'pending'::pgskip.job_status);
 
 --
 -- Name: jobs_expiring; Type: INDEX; Schema: pgskip; Owner: -
 --
 
-CREATE INDEX jobs_expiring ON pgskip.jobs USING btree (expires_at) WHERE ((expires_at IS NOT NULL) AND (status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status])));
+CREATE INDEX jobs_expiring ON ONLY pgskip.jobs USING btree (expires_at) WHERE ((expires_at IS NOT NULL) AND (status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status])));
+
+--
+-- Name: jobs_expiring_1; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_expiring_1 ON pgskip.jobs_1 USING btree (expires_at) WHERE ((expires_at IS NOT NULL) AND (status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status])));
+
+--
+-- Name: jobs_expiring_2; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_expiring_2 ON pgskip.jobs_2 USING btree (expires_at) WHERE ((expires_at IS NOT NULL) AND (status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status])));
+
+--
+-- Name: jobs_expiring_3; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_expiring_3 ON pgskip.jobs_3 USING btree (expires_at) WHERE ((expires_at IS NOT NULL) AND (status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status])));
+
+--
+-- Name: jobs_expiring_4; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_expiring_4 ON pgskip.jobs_4 USING btree (expires_at) WHERE ((expires_at IS NOT NULL) AND (status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status])));
+
+--
+-- Name: jobs_expiring_5; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_expiring_5 ON pgskip.jobs_5 USING btree (expires_at) WHERE ((expires_at IS NOT NULL) AND (status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status])));
+
+--
+-- Name: jobs_expiring_6; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_expiring_6 ON pgskip.jobs_6 USING btree (expires_at) WHERE ((expires_at IS NOT NULL) AND (status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status])));
+
+--
+-- Name: jobs_expiring_7; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_expiring_7 ON pgskip.jobs_7 USING btree (expires_at) WHERE ((expires_at IS NOT NULL) AND (status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status])));
+
+--
+-- Name: jobs_expiring_8; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_expiring_8 ON pgskip.jobs_8 USING btree (expires_at) WHERE ((expires_at IS NOT NULL) AND (status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status])));
+
+--
+-- Name: jobs_expiring_kept; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_expiring_kept ON pgskip.jobs_kept USING btree (expires_at) WHERE ((expires_at IS NOT NULL) AND (status = ANY (ARRAY['pending'::pgskip.job_status, 'scheduled'::pgskip.job_status])));
 
 --
 -- Name: jobs_failed; Type: INDEX; Schema: pgskip; Owner: -
 --
 
-CREATE INDEX jobs_failed ON pgskip.jobs USING btree (queue, finished_at) WHERE (status = 'failed'::pgskip.job_status);
+CREATE INDEX jobs_failed ON ONLY pgskip.jobs USING btree (queue, finished_at) WHERE (status = 'failed'::pgskip.job_status);
+
+--
+-- Name: jobs_failed_1; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_failed_1 ON pgskip.jobs_1 USING btree (queue, finished_at) WHERE (status = 'failed'::pgskip.job_status);
+
+--
+-- Name: jobs_failed_2; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_failed_2 ON pgskip.jobs_2 USING btree (queue, finished_at) WHERE (status = 'failed'::pgskip.job_status);
+
+--
+-- Name: jobs_failed_3; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_failed_3 ON pgskip.jobs_3 USING btree (queue, finished_at) WHERE (status = 'failed'::pgskip.job_status);
+
+--
+-- Name: jobs_failed_4; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_failed_4 ON pgskip.jobs_4 USING btree (queue, finished_at) WHERE (status = 'failed'::pgskip.job_status);
+
+--
+-- Name: jobs_failed_5; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_failed_5 ON pgskip.jobs_5 USING btree (queue, finished_at) WHERE (status = 'failed'::pgskip.job_status);
+
+--
+-- Name: jobs_failed_6; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_failed_6 ON pgskip.jobs_6 USING btree (queue, finished_at) WHERE (status = 'failed'::pgskip.job_status);
+
+--
+-- Name: jobs_failed_7; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_failed_7 ON pgskip.jobs_7 USING btree (queue, finished_at) WHERE (status = 'failed'::pgskip.job_status);
+
+--
+-- Name: jobs_failed_8; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_failed_8 ON pgskip.jobs_8 USING btree (queue, finished_at) WHERE (status = 'failed'::pgskip.job_status);
+
+--
+-- Name: jobs_failed_kept; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_failed_kept ON pgskip.jobs_kept USING btree (queue, finished_at) WHERE (status = 'failed'::pgskip.job_status);
 
 --
 -- Name: jobs_running_rows; Type: INDEX; Schema: pgskip; Owner: -
 --
 
-CREATE INDEX jobs_running_rows ON pgskip.jobs USING btree (id) WHERE (status = 'running'::pgskip.job_status);
+CREATE INDEX jobs_running_rows ON ONLY pgskip.jobs USING btree (id) WHERE (status = 'running'::pgskip.job_status);
+
+--
+-- Name: jobs_running_rows_1; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_running_rows_1 ON pgskip.jobs_1 USING btree (id) WHERE (status = 'running'::pgskip.job_status);
+
+--
+-- Name: jobs_running_rows_2; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_running_rows_2 ON pgskip.jobs_2 USING btree (id) WHERE (status = 'running'::pgskip.job_status);
+
+--
+-- Name: jobs_running_rows_3; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_running_rows_3 ON pgskip.jobs_3 USING btree (id) WHERE (status = 'running'::pgskip.job_status);
+
+--
+-- Name: jobs_running_rows_4; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_running_rows_4 ON pgskip.jobs_4 USING btree (id) WHERE (status = 'running'::pgskip.job_status);
+
+--
+-- Name: jobs_running_rows_5; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_running_rows_5 ON pgskip.jobs_5 USING btree (id) WHERE (status = 'running'::pgskip.job_status);
+
+--
+-- Name: jobs_running_rows_6; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_running_rows_6 ON pgskip.jobs_6 USING btree (id) WHERE (status = 'running'::pgskip.job_status);
+
+--
+-- Name: jobs_running_rows_7; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_running_rows_7 ON pgskip.jobs_7 USING btree (id) WHERE (status = 'running'::pgskip.job_status);
+
+--
+-- Name: jobs_running_rows_8; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_running_rows_8 ON pgskip.jobs_8 USING btree (id) WHERE (status = 'running'::pgskip.job_status);
+
+--
+-- Name: jobs_running_rows_kept; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_running_rows_kept ON pgskip.jobs_kept USING btree (id) WHERE (status = 'running'::pgskip.job_status);
 
 --
 -- Name: jobs_scheduled; Type: INDEX; Schema: pgskip; Owner: -
 --
 
-CREATE INDEX jobs_scheduled ON pgskip.jobs USING btree (run_at) WHERE (status = 'scheduled'::pgskip.job_status);
+CREATE INDEX jobs_scheduled ON ONLY pgskip.jobs USING btree (run_at) WHERE (status = 'scheduled'::pgskip.job_status);
+
+--
+-- Name: jobs_scheduled_1; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_scheduled_1 ON pgskip.jobs_1 USING btree (run_at) WHERE (status = 'scheduled'::pgskip.job_status);
+
+--
+-- Name: jobs_scheduled_2; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_scheduled_2 ON pgskip.jobs_2 USING btree (run_at) WHERE (status = 'scheduled'::pgskip.job_status);
+
+--
+-- Name: jobs_scheduled_3; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_scheduled_3 ON pgskip.jobs_3 USING btree (run_at) WHERE (status = 'scheduled'::pgskip.job_status);
+
+--
+-- Name: jobs_scheduled_4; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_scheduled_4 ON pgskip.jobs_4 USING btree (run_at) WHERE (status = 'scheduled'::pgskip.job_status);
+
+--
+-- Name: jobs_scheduled_5; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_scheduled_5 ON pgskip.jobs_5 USING btree (run_at) WHERE (status = 'scheduled'::pgskip.job_status);
+
+--
+-- Name: jobs_scheduled_6; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_scheduled_6 ON pgskip.jobs_6 USING btree (run_at) WHERE (status = 'scheduled'::pgskip.job_status);
+
+--
+-- Name: jobs_scheduled_7; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_scheduled_7 ON pgskip.jobs_7 USING btree (run_at) WHERE (status = 'scheduled'::pgskip.job_status);
+
+--
+-- Name: jobs_scheduled_8; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_scheduled_8 ON pgskip.jobs_8 USING btree (run_at) WHERE (status = 'scheduled'::pgskip.job_status);
+
+--
+-- Name: jobs_scheduled_kept; Type: INDEX; Schema: pgskip; Owner: -
+--
+
+CREATE INDEX jobs_scheduled_kept ON pgskip.jobs_kept USING btree (run_at) WHERE (status = 'scheduled'::pgskip.job_status);
 
 --
 -- Name: queues_expiring; Type: INDEX; Schema: pgskip; Owner: -
 --
 
 CREATE INDEX queues_expiring ON pgskip.queues USING btree (last_used_at) WHERE (expires IS NOT NULL);
+
+--
+-- Name: jobs_completed_1; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_completed ATTACH PARTITION pgskip.jobs_completed_1;
+
+--
+-- Name: jobs_completed_2; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_completed ATTACH PARTITION pgskip.jobs_completed_2;
+
+--
+-- Name: jobs_completed_3; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_completed ATTACH PARTITION pgskip.jobs_completed_3;
+
+--
+-- Name: jobs_completed_4; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_completed ATTACH PARTITION pgskip.jobs_completed_4;
+
+--
+-- Name: jobs_completed_5; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_completed ATTACH PARTITION pgskip.jobs_completed_5;
+
+--
+-- Name: jobs_completed_6; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_completed ATTACH PARTITION pgskip.jobs_completed_6;
+
+--
+-- Name: jobs_completed_7; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_completed ATTACH PARTITION pgskip.jobs_completed_7;
+
+--
+-- Name: jobs_completed_8; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_completed ATTACH PARTITION pgskip.jobs_completed_8;
+
+--
+-- Name: jobs_completed_kept; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_completed ATTACH PARTITION pgskip.jobs_completed_kept;
+
+--
+-- Name: jobs_dequeue_1; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_dequeue ATTACH PARTITION pgskip.jobs_dequeue_1;
+
+--
+-- Name: jobs_dequeue_2; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_dequeue ATTACH PARTITION pgskip.jobs_dequeue_2;
+
+--
+-- Name: jobs_dequeue_3; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_dequeue ATTACH PARTITION pgskip.jobs_dequeue_3;
+
+--
+-- Name: jobs_dequeue_4; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_dequeue ATTACH PARTITION pgskip.jobs_dequeue_4;
+
+--
+-- Name: jobs_dequeue_5; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_dequeue ATTACH PARTITION pgskip.jobs_dequeue_5;
+
+--
+-- Name: jobs_dequeue_6; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_dequeue ATTACH PARTITION pgskip.jobs_dequeue_6;
+
+--
+-- Name: jobs_dequeue_7; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_dequeue ATTACH PARTITION pgskip.jobs_dequeue_7;
+
+--
+-- Name: jobs_dequeue_8; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_dequeue ATTACH PARTITION pgskip.jobs_dequeue_8;
+
+--
+-- Name: jobs_dequeue_kept; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_dequeue ATTACH PARTITION pgskip.jobs_dequeue_kept;
+
+--
+-- Name: jobs_expiring_1; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_expiring ATTACH PARTITION pgskip.jobs_expiring_1;
+
+--
+-- Name: jobs_expiring_2; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_expiring ATTACH PARTITION pgskip.jobs_expiring_2;
+
+--
+-- Name: jobs_expiring_3; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_expiring ATTACH PARTITION pgskip.jobs_expiring_3;
+
+--
+-- Name: jobs_expiring_4; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_expiring ATTACH PARTITION pgskip.jobs_expiring_4;
+
+--
+-- Name: jobs_expiring_5; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_expiring ATTACH PARTITION pgskip.jobs_expiring_5;
+
+--
+-- Name: jobs_expiring_6; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_expiring ATTACH PARTITION pgskip.jobs_expiring_6;
+
+--
+-- Name: jobs_expiring_7; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_expiring ATTACH PARTITION pgskip.jobs_expiring_7;
+
+--
+-- Name: jobs_expiring_8; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_expiring ATTACH PARTITION pgskip.jobs_expiring_8;
+
+--
+-- Name: jobs_expiring_kept; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_expiring ATTACH PARTITION pgskip.jobs_expiring_kept;
+
+--
+-- Name: jobs_failed_1; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_failed ATTACH PARTITION pgskip.jobs_failed_1;
+
+--
+-- Name: jobs_failed_2; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_failed ATTACH PARTITION pgskip.jobs_failed_2;
+
+--
+-- Name: jobs_failed_3; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_failed ATTACH PARTITION pgskip.jobs_failed_3;
+
+--
+-- Name: jobs_failed_4; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_failed ATTACH PARTITION pgskip.jobs_failed_4;
+
+--
+-- Name: jobs_failed_5; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_failed ATTACH PARTITION pgskip.jobs_failed_5;
+
+--
+-- Name: jobs_failed_6; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_failed ATTACH PARTITION pgskip.jobs_failed_6;
+
+--
+-- Name: jobs_failed_7; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_failed ATTACH PARTITION pgskip.jobs_failed_7;
+
+--
+-- Name: jobs_failed_8; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_failed ATTACH PARTITION pgskip.jobs_failed_8;
+
+--
+-- Name: jobs_failed_kept; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_failed ATTACH PARTITION pgskip.jobs_failed_kept;
+
+--
+-- Name: jobs_running_rows_1; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_running_rows ATTACH PARTITION pgskip.jobs_running_rows_1;
+
+--
+-- Name: jobs_running_rows_2; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_running_rows ATTACH PARTITION pgskip.jobs_running_rows_2;
+
+--
+-- Name: jobs_running_rows_3; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_running_rows ATTACH PARTITION pgskip.jobs_running_rows_3;
+
+--
+-- Name: jobs_running_rows_4; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_running_rows ATTACH PARTITION pgskip.jobs_running_rows_4;
+
+--
+-- Name: jobs_running_rows_5; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_running_rows ATTACH PARTITION pgskip.jobs_running_rows_5;
+
+--
+-- Name: jobs_running_rows_6; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_running_rows ATTACH PARTITION pgskip.jobs_running_rows_6;
+
+--
+-- Name: jobs_running_rows_7; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_running_rows ATTACH PARTITION pgskip.jobs_running_rows_7;
+
+--
+-- Name: jobs_running_rows_8; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_running_rows ATTACH PARTITION pgskip.jobs_running_rows_8;
+
+--
+-- Name: jobs_running_rows_kept; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_running_rows ATTACH PARTITION pgskip.jobs_running_rows_kept;
+
+--
+-- Name: jobs_scheduled_1; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_scheduled ATTACH PARTITION pgskip.jobs_scheduled_1;
+
+--
+-- Name: jobs_scheduled_2; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_scheduled ATTACH PARTITION pgskip.jobs_scheduled_2;
+
+--
+-- Name: jobs_scheduled_3; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_scheduled ATTACH PARTITION pgskip.jobs_scheduled_3;
+
+--
+-- Name: jobs_scheduled_4; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_scheduled ATTACH PARTITION pgskip.jobs_scheduled_4;
+
+--
+-- Name: jobs_scheduled_5; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_scheduled ATTACH PARTITION pgskip.jobs_scheduled_5;
+
+--
+-- Name: jobs_scheduled_6; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_scheduled ATTACH PARTITION pgskip.jobs_scheduled_6;
+
+--
+-- Name: jobs_scheduled_7; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_scheduled ATTACH PARTITION pgskip.jobs_scheduled_7;
+
+--
+-- Name: jobs_scheduled_8; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_scheduled ATTACH PARTITION pgskip.jobs_scheduled_8;
+
+--
+-- Name: jobs_scheduled_kept; Type: INDEX ATTACH; Schema: pgskip; Owner: -
+--
+
+ALTER INDEX pgskip.jobs_scheduled ATTACH PARTITION pgskip.jobs_scheduled_kept;
 
 --
 -- Name: jobs jobs_claim_unique_key; Type: TRIGGER; Schema: pgskip; Owner: -
@@ -1187,6 +2388,12 @@ REVOKE ALL ON FUNCTION pgskip.beat_payload(template jsonb, id_paths jsonb, task_
 REVOKE ALL ON FUNCTION pgskip.claim_unique_key() FROM PUBLIC;
 
 --
+-- Name: FUNCTION current_slot(); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.current_slot() FROM PUBLIC;
+
+--
 -- Name: FUNCTION expire_queues(OUT queues bigint, OUT messages bigint); Type: ACL; Schema: pgskip; Owner: -
 --
 
@@ -1221,6 +2428,18 @@ REVOKE ALL ON PROCEDURE pgskip.prune_in_batches(IN completed_after interval, IN 
 --
 
 REVOKE ALL ON FUNCTION pgskip.prune_unique_keys(batch integer) FROM PUBLIC;
+
+--
+-- Name: FUNCTION rotate(OUT emptied integer, OUT moved bigint, OUT current smallint); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.rotate(OUT emptied integer, OUT moved bigint, OUT current smallint) FROM PUBLIC;
+
+--
+-- Name: FUNCTION rotation_keeps(k smallint, completed_retention interval); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.rotation_keeps(k smallint, completed_retention interval) FROM PUBLIC;
 
 --
 -- Name: FUNCTION sweep(max_attempts integer); Type: ACL; Schema: pgskip; Owner: -

@@ -15,8 +15,11 @@ import time
 import uuid
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+import psycopg
+import psycopg.sql
 from psycopg import conninfo
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -256,3 +259,19 @@ def build_wheel(into: Path) -> Path:
     assert result.returncode == 0, result.stderr
     (wheel,) = into.glob("kombu_pgskip-*.whl")
     return wheel
+
+
+def seq_scanned_rows(conn: psycopg.Connection[Any], plan: str) -> list[str]:
+    """The partitions of ``pgskip.jobs`` that hold rows and that ``plan`` (EXPLAIN text) reads
+    sequentially. A slot of the ring that holds none is read sequentially at no cost, as the
+    planner rightly chooses when its statistics say it is empty."""
+    found = []
+    for name in sorted(set(re.findall(r"Seq Scan on (jobs\w*)", plan))):
+        row = conn.execute(
+            psycopg.sql.SQL("SELECT EXISTS (SELECT FROM pgskip.{})").format(
+                psycopg.sql.Identifier(name)
+            )
+        ).fetchone()
+        if row and row[0]:
+            found.append(name)
+    return found

@@ -108,12 +108,15 @@ SELECT (SELECT substr(c, length('search_path=') + 1)
   FROM pg_roles AS r, pg_database AS d
  WHERE r.rolname = %(role)s AND d.datname = current_database();
 
--- jobs_storage: the storage parameters set on the schema's jobs table (NULL when none is), and whether autovacuum runs at all on this server (autovacuum and track_counts); no row when there is no such table
+-- jobs_storage: the storage parameters set on the schema's jobs table, or once it is partitioned (migration 0027) on jobs_kept, the partition vacuum looks after (NULL when none is), whether autovacuum runs at all on this server (autovacuum and track_counts), and that table's name; no row when there is no such table
 SELECT c.reloptions,
-       current_setting('autovacuum') = 'on' AND current_setting('track_counts') = 'on'
+       current_setting('autovacuum') = 'on' AND current_setting('track_counts') = 'on',
+       c.relname::text
   FROM pg_class AS c
   JOIN pg_namespace AS n ON n.oid = c.relnamespace
- WHERE n.nspname = %(schema)s AND c.relname = 'jobs' AND c.relkind IN ('r', 'p');
+ WHERE n.nspname = %(schema)s AND c.relname IN ('jobs', 'jobs_kept') AND c.relkind = 'r'
+ ORDER BY c.relname = 'jobs_kept' DESC
+ LIMIT 1;
 
 -- invalid_indexes: indexes on the schema's tables that queries may not use (pg_index.indisvalid false, as a failed or a running CREATE INDEX CONCURRENTLY leaves them): (index, table, its definition, the pid of a concurrent index build running on that table now, NULL when none is or this role may not see it)
 SELECT i.indexrelid::regclass::text, i.indrelid::regclass::text,

@@ -45,3 +45,10 @@ SELECT set_config('lock_timeout', %(lock_ms)s, true),
 
 -- expire_queues: delete queues with x-expires unused for that long (see the SQL function); returns (queues, messages)
 SELECT queues, messages FROM {schema}.expire_queues();
+
+-- rotate: move the ring of jobs' slots on once the current slot has given out its ids, and empty with TRUNCATE the slots that hold nothing to keep (migration 0027); one caller at a time, the others return at once; returns (emptied, moved, current): slots emptied, messages moved to jobs_kept, the current slot
+SELECT emptied, moved, current FROM {schema}.rotate();
+
+-- set_rotation_retention: the retention of completed messages, which rotate() waits for before it empties a slot holding them (pgskip maintenance writes its completed_retention; NULL, kept forever: a slot's completed messages are moved to jobs_kept when the ring needs the slot)
+UPDATE {schema}.jobs_rotation
+   SET completed_retention = COALESCE(%(completed_after)s::interval, interval '1000 years');

@@ -47,8 +47,12 @@ SELECT q.queue, count(*)
  WHERE c.lease_until > now()
  GROUP BY q.queue;
 
--- jobs_table: the jobs table's size on disk with its indexes and TOAST (bytes), and from the statistics collector its live and dead row versions, rows inserted since the statistics were reset, and when autovacuum last vacuumed it (no row when the table does not exist)
-SELECT pg_total_relation_size(s.relid), s.n_live_tup, s.n_dead_tup, s.n_tup_ins,
-       extract(epoch FROM s.last_autovacuum)::float8
+-- jobs_table: the jobs table's size on disk with its indexes and TOAST (bytes), and from the statistics collector its live and dead row versions, rows inserted since the statistics were reset, and when autovacuum last vacuumed it, each over its partitions (migration 0027: the slots and jobs_kept; a slot emptied has none); no row when the table does not exist
+SELECT sum(pg_total_relation_size(s.relid))::bigint, sum(s.n_live_tup)::bigint,
+       sum(s.n_dead_tup)::bigint, sum(s.n_tup_ins)::bigint,
+       extract(epoch FROM max(s.last_autovacuum))::float8
   FROM pg_stat_all_tables AS s
- WHERE s.schemaname = %(schema)s AND s.relname = 'jobs';
+ WHERE s.relid IN (SELECT t.relid
+                     FROM pg_partition_tree(to_regclass(format('%%I.jobs', %(schema)s::text))) AS t
+                    WHERE t.isleaf)
+HAVING count(*) > 0;

@@ -35,7 +35,7 @@ SELECT pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamp
 
 -- insert_one: (fragment, included as {@insert_one} after a CTE q of the queue's max_priority and message_ttl) the insert of publish (a TTL, the message's or the queue's, counts from when the message is due: a countdown longer than the TTL is not dropped before it is due; nothing is written when another message of the queue holds its unique key, pending, scheduled or running: the claim trigger of jobs refuses the row, migration 0026), to be followed by RETURNING id, and queue, status where {@wake} reads them in the same statement (only columns a publisher role may read)
 INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at,
-                           unique_key, concurrency_key)
+                           unique_key, concurrency_key, slot)
 SELECT %(queue)s,
        LEAST(%(priority)s, COALESCE((SELECT max_priority FROM q), 255)),
        %(status)s::{schema}.job_status,
@@ -46,7 +46,8 @@ SELECT %(queue)s,
        GREATEST(now(), %(run_at)s::timestamptz)
          + make_interval(secs => LEAST(%(ttl_ms)s::bigint, (SELECT message_ttl FROM q)) / 1000.0),
        %(unique_key)s,
-       %(concurrency_key)s
+       %(concurrency_key)s,
+       (SELECT slot FROM {schema}.jobs_rotation)
 
 -- release_unique_key: the messages of task task_id that hold unique key key in queue (pending, scheduled or running) give it up, so that the task's retry, published in the same transaction, takes it: the key's claim then names a message without the key, and the retry's claim takes it over (Store.take_over_unique_key; a worker role's statement)
 UPDATE {schema}.jobs
@@ -81,7 +82,7 @@ m AS MATERIALIZED (
                                 concurrency_key, payload, n)
 ), i AS (
     INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at,
-                               concurrency_key)
+                               concurrency_key, slot)
     SELECT m.queue,
            LEAST(m.priority, COALESCE(q.max_priority, 255)),
            m.status::{schema}.job_status,
@@ -90,7 +91,8 @@ m AS MATERIALIZED (
            m.task_name,
            m.task_id,
            GREATEST(now(), m.run_at) + make_interval(secs => LEAST(m.ttl_ms, q.message_ttl) / 1000.0),
-           m.concurrency_key
+           m.concurrency_key,
+           (SELECT slot FROM {schema}.jobs_rotation)
       FROM m
       LEFT JOIN {schema}.queues AS q ON q.name = m.queue
      ORDER BY m.n
@@ -119,7 +121,7 @@ WITH targets AS (
      WHERE NOT q.declared OR {@live}
 ), i AS (
     INSERT INTO {schema}.jobs (queue, priority, status, run_at, payload, task_name, task_id, expires_at,
-                               concurrency_key)
+                               concurrency_key, slot)
     SELECT live.queue,
            LEAST(%(priority)s, COALESCE(live.max_priority, 255)),
            %(status)s::{schema}.job_status,
@@ -129,7 +131,8 @@ WITH targets AS (
            %(task_id)s,
            GREATEST(now(), %(run_at)s::timestamptz)
              + make_interval(secs => LEAST(%(ttl_ms)s::bigint, live.message_ttl) / 1000.0),
-           %(concurrency_key)s
+           %(concurrency_key)s,
+           (SELECT slot FROM {schema}.jobs_rotation)
       FROM live
     RETURNING queue, status
 )

@@ -32,7 +32,13 @@ from psycopg import sql
 
 from kombu_pgskip import exceptions
 from kombu_pgskip.doctor import run_doctor
-from kombu_pgskip.grants import Grant, apply_grants, grant_statements
+from kombu_pgskip.grants import (
+    PUBLISHER_FUNCTIONS,
+    WORKER_FUNCTIONS,
+    Grant,
+    apply_grants,
+    grant_statements,
+)
 from kombu_pgskip.maintenance import MaintenanceConfig, run_once
 from kombu_pgskip.migrate import load_migrations, migrate
 from kombu_pgskip.periodic import fire_due
@@ -265,7 +271,8 @@ def test_no_function_of_the_schema_runs_for_a_role_it_is_not_granted_to(
             " p.prorettype = 'trigger'::regtype FROM pg_proc AS p"
             " WHERE p.pronamespace = 'pgskip'::regnamespace"
         ).fetchall()
-    allowed = {"expire_queues", "sweep"} if attacker == "worker" else set()
+    granted = WORKER_FUNCTIONS if attacker == "worker" else PUBLISHER_FUNCTIONS
+    allowed = {f.split("(")[0] for f in granted}
     triggers = [r[0] for r in routines if r[3]]
     assert {t.split(".")[-1] for t in triggers} == TRIGGER_FUNCTIONS
     with psycopg.connect(hostile.url(attacker), autocommit=True) as conn:
@@ -991,6 +998,20 @@ def _granted_before(
             dbname, "pgskip", workers=[worker.name], publishers=[publisher.name]
         ):
             text = g.text()
+            if version <= 27 and any(
+                what in text
+                for what in (
+                    "jobs_rotation",
+                    "TRUNCATE",
+                    "rotate()",
+                    "rotation_keeps",
+                    "current_slot",
+                )
+            ):
+                continue
+            if version <= 27 and ', "slot")' in text:
+                text = text.replace(', "slot")', ")")
+                g = Grant(g.role, g.what, sql.Composed([sql.SQL(text)]))
             if version <= 21 and "paused_queues" in text:
                 continue
             if version <= 25 and "queue_limits" in text:
@@ -1112,6 +1133,69 @@ def test_migration_0026_claims_keys_for_roles_granted_before_it_and_grants_them_
             with psycopg.connect(role.url(db_url)) as conn:
                 _denied(conn, "SELECT * FROM pgskip.unique_keys")
                 _denied(conn, "SELECT pgskip.claim_unique_key()")
+
+
+def test_the_ring_of_slots_is_moved_on_by_workers_never_by_publishers(tidy: Deployment) -> None:
+    """rotate() empties slots with TRUNCATE: a worker may run it (it may delete messages
+    anyway), and change nothing of the ring but where it stands; a publisher may only read
+    which slot is current, and write it with each message."""
+    with psycopg.connect(tidy.url("owner"), autocommit=True) as conn:
+        conn.execute("UPDATE pgskip.jobs_rotation SET slot_rows = 1, completed_retention = '0 s'")
+    with psycopg.connect(tidy.url("publisher"), autocommit=True) as conn:
+        for statement in (
+            "SELECT * FROM pgskip.rotate()",
+            "TRUNCATE pgskip.jobs_1",
+            "TRUNCATE pgskip.jobs_kept",
+            "UPDATE pgskip.jobs_rotation SET slot = 2",
+            "SELECT count(*) FROM pgskip.jobs_1",
+            "DELETE FROM pgskip.jobs_kept",
+        ):
+            _denied(conn, statement)
+    with psycopg.connect(tidy.url("worker"), autocommit=True) as conn:
+        for statement in (
+            "UPDATE pgskip.jobs_rotation SET slot_rows = 100000000",
+            "UPDATE pgskip.jobs_rotation SET completed_retention = '100 years'",
+            "TRUNCATE pgskip.jobs_kept",
+            "TRUNCATE pgskip.jobs",
+            "ALTER TABLE pgskip.jobs DETACH PARTITION pgskip.jobs_1",
+        ):
+            _denied(conn, statement)
+    publisher = Store(broker(tidy.url("publisher")))
+    worker = Store(broker(tidy.url("worker")))
+    try:
+        publisher.publish(NewMessage("q", 0, "pending", None, "{}", "t", "1", None))
+        before = worker.rotate()[2]
+        assert worker.rotate()[2] == before  # the slot's one message is not finished
+        publisher.publish(NewMessage("q", 0, "pending", None, "{}", "t", "2", None))
+        assert worker.rotate()[2] != before
+    finally:
+        publisher.close()
+        worker.close()
+
+
+def test_migration_0027_lets_roles_granted_before_it_publish_and_rotate(
+    any_pg_server: PgServer, versioned_empty_db_url: str, tmp_path: Any
+) -> None:
+    """The publish writes the current slot and workers rotate: roles granted by an older
+    `pgskip grant` keep publishing and fetching after the upgrade, and the workers rotate."""
+    db_url = versioned_empty_db_url
+    with _granted_before(any_pg_server, db_url, tmp_path, 27) as (worker, publisher):
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute("UPDATE pgskip.jobs_rotation SET slot_rows = 1")
+        sender = Store(broker(publisher.url(db_url)))
+        store = Store(broker(worker.url(db_url)))
+        try:
+            assert sender.publish(NewMessage("q", 0, "pending", None, "{}", "t", "1", None))
+            consumer = uuid.uuid4()
+            store.register_consumer(consumer, hostname="w", queues=["q"], lease=30)
+            (row,) = store.fetch(["q"], 10, consumer)
+            assert store.ack([row.tag], consumer) == 1
+            assert store.rotate()[2] == 2
+        finally:
+            sender.close()
+            store.close()
+        with psycopg.connect(publisher.url(db_url)) as conn:
+            _denied(conn, "SELECT * FROM pgskip.rotate()")
 
 
 def test_a_publisher_cannot_revoke_a_waiting_message(tidy: Deployment) -> None:

@@ -217,7 +217,7 @@ def test_least_privilege_roles_run_a_real_worker_and_hold(roles: Roles) -> None:
     assert dry.returncode == 0, dry.stderr
     published = (
         '"queue", "priority", "status", "run_at", "payload", "task_name", "task_id", "expires_at", '
-        '"unique_key", "concurrency_key"'
+        '"unique_key", "concurrency_key", "slot"'
     )
     assert (
         f'GRANT INSERT ({published}) ON "pgskip"."jobs" TO "{roles.publisher.name}";' in dry.stdout

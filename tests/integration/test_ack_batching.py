@@ -149,8 +149,8 @@ def _listening(
     db_url: str, queue: Queue, options: dict[str, Any]
 ) -> Iterator[tuple[Connection, Connection, list[Any]]]:
     """A blocking consumer of ``queue`` (prefetch 10, each body acked on arrival) whose LISTEN
-    is open and whose queue was found empty; a second connection to publish from; the bodies
-    received."""
+    is open and whose queue was found empty, its heartbeat thread stopped (only the consumer's
+    own statements write); a second connection to publish from; the bodies received."""
     with (
         Connection(_broker(db_url), transport_options=options) as conn,
         Connection(_broker(db_url)) as other,
@@ -159,6 +159,7 @@ def _listening(
         _channel, received = _consuming(conn, queue, 10, ack=True)
         with contextlib.suppress(TimeoutError):
             conn.drain_events(timeout=0.2)
+        _stop_heartbeat(conn)
         yield conn, other, received
 
 

@@ -71,6 +71,9 @@ def test_schema_reference_describes_every_table_and_column_the_migrations_create
             "SELECT c.table_name, c.column_name FROM information_schema.columns AS c"
             " JOIN information_schema.tables AS t USING (table_schema, table_name)"
             " WHERE c.table_schema = 'pgskip' AND t.table_type = 'BASE TABLE'"
+            # The partitions of jobs have its columns.
+            " AND NOT (SELECT relispartition FROM pg_class"
+            "          WHERE oid = ('pgskip.' || quote_ident(c.table_name))::regclass)"
             " ORDER BY c.table_name, c.ordinal_position"
         ).fetchall()
     tables: dict[str, list[str]] = {}

@@ -118,23 +118,25 @@ def test_the_storage_parameters_of_jobs_fail_when_reset_and_the_fix_restores_the
     db_url: str,
 ) -> None:
     name = "autovacuum settings of jobs"
-    _sql(db_url, "ALTER TABLE pgskip.jobs RESET (autovacuum_vacuum_scale_factor, fillfactor)")
+    # (the partition vacuum looks after: the slots are emptied whole)
+    _sql(db_url, "ALTER TABLE pgskip.jobs_kept RESET (autovacuum_vacuum_scale_factor, fillfactor)")
     reset = _checks(db_url)[name]
     assert reset.status == FAIL, reset.line()
     assert "fillfactor, autovacuum_vacuum_scale_factor no longer set" in reset.detail
     fix = reset.detail.split("`")[1]
     assert fix == (
-        'ALTER TABLE "pgskip".jobs SET (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02);'
+        'ALTER TABLE "pgskip".jobs_kept'
+        " SET (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02);"
     )
     _sql(db_url, fix)
     assert _checks(db_url)[name].status == OK
 
-    _sql(db_url, "ALTER TABLE pgskip.jobs SET (autovacuum_vacuum_scale_factor = 0.1)")
+    _sql(db_url, "ALTER TABLE pgskip.jobs_kept SET (autovacuum_vacuum_scale_factor = 0.1)")
     changed = _checks(db_url)[name]
     assert changed.status == WARN, changed.line()
     assert "autovacuum_vacuum_scale_factor=0.1 (the migrations set 0.02)" in changed.detail
 
-    _sql(db_url, "ALTER TABLE pgskip.jobs SET (autovacuum_enabled = off)")
+    _sql(db_url, "ALTER TABLE pgskip.jobs_kept SET (autovacuum_enabled = off)")
     off = _checks(db_url)[name]
     assert off.status == FAIL, off.line()
     assert "RESET (autovacuum_enabled)" in off.detail and "autovacuum is off" in off.detail
@@ -148,10 +150,12 @@ def test_an_invalid_index_fails_naming_it_and_its_rebuild(db_url: str) -> None:
     )
     # A unique build over duplicates fails and leaves its index behind, INVALID.
     with pytest.raises(psycopg.errors.UniqueViolation):
-        _sql(db_url, "CREATE UNIQUE INDEX CONCURRENTLY jobs_one_per_queue ON pgskip.jobs (queue)")
+        # (on the current slot, which holds the rows: a partitioned table has no concurrent
+        # builds)
+        _sql(db_url, "CREATE UNIQUE INDEX CONCURRENTLY jobs_one_per_queue ON pgskip.jobs_1 (queue)")
     failed_build = _checks(db_url)[name]
     assert failed_build.status == FAIL, failed_build.line()
-    assert failed_build.detail.startswith("pgskip.jobs_one_per_queue on pgskip.jobs INVALID")
+    assert failed_build.detail.startswith("pgskip.jobs_one_per_queue on pgskip.jobs_1 INVALID")
     assert "`REINDEX INDEX CONCURRENTLY pgskip.jobs_one_per_queue;`" in failed_build.detail
     assert "remove the duplicate rows first" in failed_build.detail
     _sql(db_url, "DROP INDEX CONCURRENTLY pgskip.jobs_one_per_queue")
@@ -159,10 +163,11 @@ def test_an_invalid_index_fails_naming_it_and_its_rebuild(db_url: str) -> None:
     # As a superuser, in this database of the test's own: one of the migrations' indexes.
     _sql(
         db_url,
-        "UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'pgskip.jobs_dequeue'::regclass",
+        "UPDATE pg_index SET indisvalid = false"
+        " WHERE indexrelid = 'pgskip.jobs_dequeue_1'::regclass",
     )
     marked = _checks(db_url)[name]
-    assert marked.status == FAIL and "pgskip.jobs_dequeue on pgskip.jobs" in marked.detail
+    assert marked.status == FAIL and "pgskip.jobs_dequeue_1 on pgskip.jobs_1" in marked.detail
     _sql(db_url, marked.detail.split("`")[1])  # the REINDEX it names
     assert _checks(db_url)[name].status == OK
 

@@ -114,11 +114,12 @@ def test_prune_reads_only_the_rows_it_deletes(db_url: str) -> None:
         with conn.transaction():
             row = conn.execute("SELECT * FROM pgskip.prune('19000 seconds', NULL)").fetchone()
             scans = conn.execute(
-                "SELECT pg_stat_get_xact_numscans('pgskip.jobs_completed'::regclass),"
-                " pg_stat_get_xact_numscans('pgskip.jobs'::regclass)"
+                "SELECT pg_stat_get_xact_numscans('pgskip.jobs_completed_1'::regclass),"
+                " pg_stat_get_xact_numscans('pgskip.jobs_1'::regclass)"
             ).fetchone()
         assert row is not None and 1000 <= row[0] <= 1010, row  # 1,000 and the clock's tick
-        assert scans == (1, 0), "one scan of jobs_completed, no sequential scan of jobs"
+        # (the rows are in the current slot, jobs_1)
+        assert scans == (1, 0), "one scan of jobs_completed_1, no sequential scan of jobs_1"
         left = conn.execute(
             "SELECT count(*) FILTER (WHERE status = 'completed'), count(*) FROM pgskip.jobs"
         ).fetchone()
@@ -308,6 +309,7 @@ def test_tick_fires_and_maintains_once(db_url: str) -> None:
     result = CliRunner().invoke(main, ["tick", "--url", db_url])
     assert result.exit_code == 0, result.output
     assert result.output.startswith("fired 0 periodic slots; requeued 0")
+    assert "slots_emptied 0, moved_to_jobs_kept 0" in result.output
 
 
 def test_tick_prunes_prune_batch_rows_per_transaction(db_url: str) -> None:

@@ -180,7 +180,7 @@ def test_dead_tuples_and_inserted_rows_come_from_the_statistics(
     db_url: str, collector: PgSkipCollector
 ) -> None:
     with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("ALTER TABLE pgskip.jobs SET (autovacuum_enabled = false)")
+        conn.execute("ALTER TABLE pgskip.jobs_1 SET (autovacuum_enabled = false)")
         _insert(conn, "q", "completed", 200)
         conn.execute("DELETE FROM pgskip.jobs")
     registry = _registry(collector)
@@ -261,7 +261,7 @@ def test_counts_read_only_the_partial_indexes_not_the_completed_rows(db_url: str
     scans: list[tuple[str, str | None]] = []
 
     def walk(node: dict[str, Any]) -> None:
-        if node.get("Relation Name") == "jobs":
+        if node.get("Relation Name") == "jobs_1":  # the current slot, which holds the rows
             scans.append((node["Node Type"], node.get("Index Name")))
         for child in node.get("Plans", []):
             walk(child)
@@ -270,7 +270,7 @@ def test_counts_read_only_the_partial_indexes_not_the_completed_rows(db_url: str
     assert len(scans) == 4, scans
     assert all(kind != "Seq Scan" for kind, _ in scans), scans
     assert {index for _, index in scans} <= {
-        "jobs_dequeue", "jobs_scheduled", "jobs_running_rows", "jobs_failed", None,
+        "jobs_dequeue_1", "jobs_scheduled_1", "jobs_running_rows_1", "jobs_failed_1", None,
     }, scans  # fmt: skip
 
 

@@ -30,11 +30,17 @@ def test_migrated_schema_has_the_queue_table_tuned_for_churn(empty_db_url: str) 
             for r in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'pgskip'")
         }
         assert {"jobs", "queues", "exchanges", "bindings", "consumers", "migrations"} <= tables
-        (options,) = conn.execute(
-            "SELECT reloptions FROM pg_class WHERE oid = 'pgskip.jobs'::regclass"
-        ).fetchone()  # type: ignore[misc]
-        assert "fillfactor=70" in options
-        assert any(o.startswith("autovacuum_vacuum_scale_factor") for o in options)
+        # Every partition: the ring's slots and jobs_kept.
+        parts = conn.execute(
+            "SELECT c.relname, c.reloptions FROM pg_partition_tree('pgskip.jobs') AS t"
+            " JOIN pg_class AS c ON c.oid = t.relid WHERE t.isleaf"
+        ).fetchall()
+        assert sorted(r[0] for r in parts) == ["jobs_" + str(k) for k in range(1, 9)] + [
+            "jobs_kept"
+        ]
+        for _name, options in parts:
+            assert "fillfactor=70" in options
+            assert any(o.startswith("autovacuum_vacuum_scale_factor") for o in options)
         (indexdef,) = conn.execute(
             "SELECT indexdef FROM pg_indexes WHERE indexname = 'jobs_dequeue'"
         ).fetchone()  # type: ignore[misc]

@@ -1,0 +1,254 @@
+"""The ring of ``jobs``' slots (migration 0027): new messages go to the current slot; once it
+has given out ``slot_rows`` ids the ring moves on; a slot whose messages are all finished, past
+the retention of completed ones, is emptied with TRUNCATE; a slot the ring comes back to while
+it still holds messages to keep has them moved to ``jobs_kept`` first, with their ids, so that
+every consumer settles, fetches and lists them as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from kombu_pgskip.store import NewMessage, Store
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    s = Store(db_url)
+    yield s
+    s.close()
+
+
+def _ring(db_url: str, *, slot_rows: int, slots: int = 8, retention: str = "0 s") -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE pgskip.jobs_rotation SET slot_rows = %s, slots = %s,"
+            " completed_retention = %s::interval",
+            (slot_rows, slots, retention),
+        )
+
+
+def _publish(store: Store, n: int, queue: str = "q") -> list[int]:
+    return store.publish_many([NewMessage(queue, 0, "pending", None, "{}", None, None, None)] * n)
+
+
+def _slots(db_url: str) -> dict[int, int]:
+    """Messages per slot."""
+    with psycopg.connect(db_url) as conn:
+        rows = conn.execute("SELECT slot, count(*) FROM pgskip.jobs GROUP BY 1").fetchall()
+    return {int(r[0]): int(r[1]) for r in rows}
+
+
+def _size(db_url: str, table: str) -> int:
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute("SELECT pg_relation_size(%s::regclass)", (f"pgskip.{table}",))
+        return int(row.fetchone()[0])  # type: ignore[index]
+
+
+def _consumer(store: Store) -> uuid.UUID:
+    me = uuid.uuid4()
+    store.register_consumer(me, hostname="h", queues=["q"], lease=60)
+    return me
+
+
+def test_the_ring_moves_on_once_the_current_slot_gave_out_its_ids(
+    store: Store, db_url: str
+) -> None:
+    _ring(db_url, slot_rows=10)
+    _publish(store, 9)
+    assert store.rotate() == (0, 0, 1)  # 9 of 10 ids: the slot is still current
+    _publish(store, 3)
+    assert store.rotate() == (0, 0, 2)
+    _publish(store, 1)
+    assert _slots(db_url) == {1: 12, 2: 1}
+
+
+def test_a_slot_whose_messages_all_finished_is_emptied_and_its_space_returned(
+    store: Store, db_url: str
+) -> None:
+    _ring(db_url, slot_rows=100)
+    me = _consumer(store)
+    _publish(store, 100)
+    assert store.rotate()[2] == 2
+    _publish(store, 50)
+    rows = store.fetch(["q"], 150, me)
+    assert store.ack([r.tag for r in rows], me) == 150
+    assert _size(db_url, "jobs_1") > 0
+    emptied, moved, current = store.rotate()
+    assert (emptied, moved, current) == (1, 0, 2)
+    assert _size(db_url, "jobs_1") == 0
+    # The current slot is never emptied, finished or not.
+    assert _slots(db_url) == {2: 50}
+
+
+@pytest.mark.parametrize("kept", ["pending", "scheduled", "running", "failed", "completed"])
+def test_a_slot_holding_a_message_to_keep_is_not_emptied(
+    store: Store, db_url: str, kept: str
+) -> None:
+    _ring(db_url, slot_rows=10, retention="1 hour")
+    me = _consumer(store)
+    _publish(store, 10)
+    rows = store.fetch(["q"], 10, me)
+    store.ack([r.tag for r in rows[1:]], me)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE pgskip.jobs SET status = %s::pgskip.job_status, finished_at = now()"
+            " WHERE id = %s",
+            (kept, rows[0].id),
+        )
+        if kept == "completed":  # every message completed, the last within the retention
+            conn.execute(
+                "UPDATE pgskip.jobs SET finished_at = now() - interval '2 hours' WHERE id <> %s",
+                (rows[0].id,),
+            )
+    assert store.rotate() == (0, 0, 2)
+    assert store.rotate() == (0, 0, 2)
+    assert _slots(db_url) == {1: 10}
+
+
+def test_the_ring_coming_back_to_a_slot_moves_what_it_must_keep_to_jobs_kept(
+    store: Store, db_url: str
+) -> None:
+    """A slot the ring needs again is emptied whatever it holds: the messages to keep go to
+    jobs_kept with their ids and deliveries, the rest goes with the slot."""
+    _ring(db_url, slot_rows=5, slots=2, retention="1 hour")
+    me = _consumer(store)
+    ids = _publish(store, 5)
+    rows = {r.id: r for r in store.fetch(["q"], 4, me)}
+    running, failed, completed, old = ids[0], ids[1], ids[2], ids[3]
+    pending = ids[4]
+    assert store.fail([rows[failed].tag], me, "boom") == 1
+    assert store.ack([rows[completed].tag, rows[old].tag], me) == 2
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE pgskip.jobs SET finished_at = now() - interval '2 hours' WHERE id = %s", (old,)
+        )
+    assert store.rotate() == (0, 0, 2)
+    _publish(store, 5)
+    emptied, moved, current = store.rotate()  # back to slot 1
+    assert (emptied, moved, current) == (1, 4, 1)
+    with psycopg.connect(db_url) as conn:
+        where = dict(
+            conn.execute("SELECT id, slot FROM pgskip.jobs WHERE id = ANY(%s)", (ids,)).fetchall()
+        )
+    assert where == {running: 0, failed: 0, completed: 0, pending: 0}
+    # The consumer settles the message it holds as before; the waiting one is delivered.
+    assert store.ack([rows[running].tag], me) == 1
+    (again,) = store.fetch(["q"], 1, me)
+    assert again.id == pending
+    assert store.ack([again.tag], me) == 1
+
+
+def test_a_held_snapshot_does_not_stop_a_slot_being_emptied(store: Store, db_url: str) -> None:
+    """A transaction that holds a snapshot (a report, a shell left open) without having read
+    jobs stops vacuum, not the emptying of a slot."""
+    _ring(db_url, slot_rows=10)
+    me = _consumer(store)
+    with psycopg.connect(db_url) as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM pgskip.queues")
+        _publish(store, 10)
+        rows = store.fetch(["q"], 10, me)
+        store.ack([r.tag for r in rows], me)
+        assert store.rotate() == (0, 0, 2)
+        assert store.rotate() == (1, 0, 2)
+        holder.rollback()
+    assert _size(db_url, "jobs_1") == 0
+
+
+def test_a_transaction_that_read_the_slot_delays_its_emptying_without_failing(
+    store: Store, db_url: str
+) -> None:
+    _ring(db_url, slot_rows=10)
+    me = _consumer(store)
+    _publish(store, 10)
+    rows = store.fetch(["q"], 10, me)
+    store.ack([r.tag for r in rows], me)
+    assert store.rotate() == (0, 0, 2)
+    with psycopg.connect(db_url) as reader:
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM pgskip.jobs")  # holds a lock on every slot
+        started = time.monotonic()
+        assert store.rotate() == (0, 0, 2)
+        assert time.monotonic() - started < 2.0  # it waited its lock_timeout, then went on
+        reader.rollback()
+    assert store.rotate() == (1, 0, 2)
+
+
+def test_a_publish_left_open_does_not_delay_emptying_another_slot(
+    store: Store, db_url: str
+) -> None:
+    _ring(db_url, slot_rows=10)
+    me = _consumer(store)
+    _publish(store, 10)
+    rows = store.fetch(["q"], 10, me)
+    store.ack([r.tag for r in rows], me)
+    assert store.rotate() == (0, 0, 2)
+    with psycopg.connect(db_url) as business:
+        business.execute(  # as the publish statement writes it, in the caller's transaction
+            "INSERT INTO pgskip.jobs (queue, payload, slot)"
+            " VALUES ('q', '{}', (SELECT slot FROM pgskip.jobs_rotation))"
+        )
+        assert store.rotate() == (1, 0, 2)  # the open transaction holds only slot 2
+        business.commit()
+    assert _slots(db_url) == {2: 1}
+
+
+def test_a_publish_reading_the_slot_before_the_ring_moved_on_is_kept(
+    store: Store, db_url: str
+) -> None:
+    """A message written to a slot just left behind is looked at again under the slot's lock,
+    so the slot is not emptied under it."""
+    _ring(db_url, slot_rows=10)
+    _publish(store, 10)
+    with psycopg.connect(db_url) as late:
+        late.execute(
+            "INSERT INTO pgskip.jobs (queue, payload, slot) VALUES ('q', '{}', 1)"
+        )  # as a publish that read slot 1 as current
+        assert store.rotate() == (0, 0, 2)
+        late.commit()
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE pgskip.jobs SET status = 'completed', finished_at = now() - interval '1 s'"
+            " WHERE id IN (SELECT id FROM pgskip.jobs ORDER BY id LIMIT 10)"
+        )
+    assert store.rotate() == (0, 0, 2)
+    assert _slots(db_url) == {1: 11}
+
+
+def test_one_session_rotates_at_a_time(store: Store, db_url: str) -> None:
+    _ring(db_url, slot_rows=10)
+    _publish(store, 10)
+    with psycopg.connect(db_url) as other:
+        other.execute("SELECT * FROM pgskip.jobs_rotation FOR UPDATE")
+        result: list[tuple[int, int, int]] = []
+        t = threading.Thread(target=lambda: result.append(store.rotate()))
+        t.start()
+        t.join(5)
+        assert result == [(0, 0, 1)]  # returned at once, nothing done
+        other.rollback()
+    assert store.rotate() == (0, 0, 2)
+
+
+def test_a_message_moved_to_jobs_kept_keeps_its_unique_key(store: Store, db_url: str) -> None:
+    """A keyed message that waits when the ring needs its slot again moves with its claim:
+    its key stays held while it waits, and is free once it ran."""
+    _ring(db_url, slot_rows=2, slots=2)
+    me = _consumer(store)
+    keyed = NewMessage("q", 0, "pending", None, "{}", "t", "k1", None, unique_key="sync:7")
+    first = store.publish(keyed)
+    assert first is not None
+    _publish(store, 1)
+    assert store.rotate()[2] == 2
+    _publish(store, 2)
+    assert store.rotate() == (1, 2, 1)  # back to slot 1: its two waiting messages move
+    assert store.publish(keyed) is None, "the key is still held"
+    (row,) = [r for r in store.fetch(["q"], 10, me) if r.id == first]
+    assert store.ack([row.tag], me) == 1
+    assert store.publish(keyed) is not None
