@@ -57,6 +57,17 @@ def _consumer(store: Store) -> uuid.UUID:
     return me
 
 
+def _finished_slot_behind(store: Store, db_url: str) -> None:
+    """Slot 1 full of messages that ran (completed, past a retention of 0 s), slot 2
+    current."""
+    _ring(db_url, slot_rows=10)
+    me = _consumer(store)
+    _publish(store, 10)
+    rows = store.fetch(["q"], 10, me)
+    store.ack([r.tag for r in rows], me)
+    assert store.rotate() == (0, 0, 2)
+
+
 def test_the_ring_moves_on_once_the_current_slot_gave_out_its_ids(
     store: Store, db_url: str
 ) -> None:
@@ -165,12 +176,7 @@ def test_a_held_snapshot_does_not_stop_a_slot_being_emptied(store: Store, db_url
 def test_a_transaction_that_read_the_slot_delays_its_emptying_without_failing(
     store: Store, db_url: str
 ) -> None:
-    _ring(db_url, slot_rows=10)
-    me = _consumer(store)
-    _publish(store, 10)
-    rows = store.fetch(["q"], 10, me)
-    store.ack([r.tag for r in rows], me)
-    assert store.rotate() == (0, 0, 2)
+    _finished_slot_behind(store, db_url)
     with psycopg.connect(db_url) as reader:
         reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
         reader.execute("SELECT count(*) FROM pgskip.jobs")  # holds a lock on every slot
@@ -184,12 +190,7 @@ def test_a_transaction_that_read_the_slot_delays_its_emptying_without_failing(
 def test_a_publish_left_open_does_not_delay_emptying_another_slot(
     store: Store, db_url: str
 ) -> None:
-    _ring(db_url, slot_rows=10)
-    me = _consumer(store)
-    _publish(store, 10)
-    rows = store.fetch(["q"], 10, me)
-    store.ack([r.tag for r in rows], me)
-    assert store.rotate() == (0, 0, 2)
+    _finished_slot_behind(store, db_url)
     with psycopg.connect(db_url) as business:
         business.execute(  # as the publish statement writes it, in the caller's transaction
             "INSERT INTO pgskip.jobs (queue, payload, slot)"
