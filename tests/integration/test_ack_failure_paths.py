@@ -54,7 +54,17 @@ def _jobs_locked(db_url: str) -> Iterator[None]:
 
 
 def _end_backend(db_url: str, pid: int, how: str) -> None:
+    """Cancel or terminate backend ``pid`` once it waits for a lock: a cancel that reaches a
+    backend before it began the statement is lost."""
     with psycopg.connect(db_url, autocommit=True) as admin:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            row = admin.execute(
+                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+            ).fetchone()
+            if row and row[0] == "Lock":
+                break
+            time.sleep(0.01)
         admin.execute(f"SELECT pg_{how}_backend(%s)", (pid,))
 
 
