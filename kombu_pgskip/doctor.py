@@ -70,7 +70,7 @@ from .urls import Connection, connect, mask_url
 #: name and operator instead.
 QUALIFIED_PROCEDURES = frozenset({"prune_in_batches"})
 #: The one function of ours that runs as its owner: the trigger of ``jobs`` that claims a
-#: message's unique key in ``unique_keys`` (migration 0027), a table no other role may read or
+#: message's unique key in ``unique_keys`` (migration 0026), a table no other role may read or
 #: write. No role but the owner may execute it (so none may attach it to a table of its own),
 #: and it pins the search path, as every function does.
 DEFINER_FUNCTIONS = frozenset({"claim_unique_key()"})
