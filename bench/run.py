@@ -211,8 +211,10 @@ class Runner:
     def publish_breakdown(self) -> None:
         from .celery_bench import publish_breakdown
 
-        pg, pga = self.broker("pgskip"), self.broker("pgskip-async")
-        if pg is None or pga is None:
+        # pgskip's own breakdown: it compares the durable publish with the async-commit one
+        # of the same server, whether or not --brokers names pgskip-async.
+        pg, pga = self.broker("pgskip"), self.env.brokers.get("pgskip-async")
+        if pg is None or pga is None or not pga.available:
             return
         log("publish breakdown (pgskip apply_async)")
         n = 500 if self.mode.name == "short" else 3000
