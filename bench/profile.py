@@ -54,6 +54,15 @@
    Measures how the one read of ``consumers`` a publish makes grows with the number of
    workers.
 
+8. What the partitions of ``jobs`` cost a fetch (``--fetch-partitions`` runs only this): wall
+   time and server CPU per ``ack_fetch`` as the event-loop fetcher runs it (prepared, its
+   generic plan, asynchronous commit), each fetch taking the one message inserted before it
+   and acking the one before, against the same statement reading ``jobs_kept`` alone in place
+   of ``jobs`` (one partition, with the same indexes: what the statement costs on one table).
+   The message waits 10 ms before its fetch (*idle*: the backend and this process asleep in
+   between, as for a task that arrives at an idle worker) or not at all (*busy*). Medians of 5
+   alternating rounds of 200 after 20.
+
 It runs its own EmbeddedPostgres (fsync on) with ``pg_stat_statements`` preloaded.
 """
 
@@ -266,6 +275,83 @@ def fetch_plans(url: str, *, rounds: int = 5) -> dict[str, Any]:
         out[name] = {
             key: round(float(median(r[i] for r in rows) or 0.0), 1)
             for i, key in enumerate(("server_cpu_us", "wall_us"))
+        }
+    return out
+
+
+def one_partition(query: bytes) -> bytes:
+    """``ack_fetch`` reading ``jobs_kept`` alone wherever it reads ``jobs``."""
+    text = query.decode()
+    for old, new in (
+        ('"pgskip".jobs AS ', '"pgskip".jobs_kept AS '),
+        ('"pgskip".jobs\n', '"pgskip".jobs_kept AS jobs\n'),
+    ):
+        text = text.replace(old, new)
+    if '"pgskip".jobs ' in text or '"pgskip".jobs\n' in text:
+        raise RuntimeError("ack_fetch reads jobs in a way one_partition does not rewrite")
+    return text.encode()
+
+
+def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str, Any]:
+    """Wall time and server CPU per ``ack_fetch`` on the partitioned ``jobs`` against the same
+    statement on one of its partitions, in microseconds (part 8 above)."""
+    import uuid
+
+    from kombu_pgskip.fetcher import AsyncFetcher
+
+    payload = sample_message_json()
+    consumer = uuid.uuid4()
+    fetchers: dict[str, AsyncFetcher] = {}
+    for layout in ("partitioned", "one_partition"):
+        fetcher = AsyncFetcher(url, schema="pgskip", asynchronous_commit=True,
+                               connect_timeout=10)  # fmt: skip
+        if layout == "one_partition":
+            fetcher._query = one_partition(fetcher._query)
+        fetcher.fileno()  # connects and prepares
+        fetchers[layout] = fetcher
+    # The message of a fetch from jobs_kept is written to its slot (0), the other to the
+    # current slot.
+    slot = {"partitioned": "pgskip.current_slot()", "one_partition": "0"}
+    samples: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    try:
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute("SET synchronous_commit TO off")
+            for _ in range(rounds):
+                for gap, phase in ((0.01, "idle"), (0.0, "busy")):
+                    for layout, fetcher in fetchers.items():
+                        assert fetcher._conn is not None
+                        pid = fetcher._conn.info.backend_pid
+                        tags: list[tuple[int, int]] = []
+                        walls: list[float] = []
+                        cpu = 0.0
+                        for i in range(calls + 20):
+                            admin.execute(
+                                "INSERT INTO pgskip.jobs (queue, payload, slot) "
+                                f"VALUES ('partitions', %s::json, {slot[layout]})",
+                                (payload,),
+                            )
+                            if gap:
+                                time.sleep(gap)
+                            b0, w0 = _backend_cpu_s(pid), time.perf_counter()
+                            fetcher.send(tags, ["partitions"], 4, consumer)
+                            result = fetcher.wait()
+                            w1, b1 = time.perf_counter(), _backend_cpu_s(pid)
+                            assert result is not None and len(result[1]) == 1, result
+                            tags = [r.tag for r in result[1]]
+                            if i >= 20:
+                                walls.append(w1 - w0)
+                                cpu += b1 - b0
+                        samples[f"{layout}_{phase}"].append(
+                            (1e6 * (median(walls) or 0.0), 1e6 * cpu / calls)
+                        )
+    finally:
+        for fetcher in fetchers.values():
+            fetcher.close()
+    out: dict[str, Any] = {"rounds": rounds, "calls": calls, "idle_gap_s": 0.01}
+    for name, rows in samples.items():
+        out[name] = {
+            key: round(float(median(r[i] for r in rows) or 0.0), 1)
+            for i, key in enumerate(("wall_us_p50", "server_cpu_us"))
         }
     return out
 
@@ -634,6 +720,11 @@ def main(argv: list[str] | None = None) -> int:
         "--fetch-plans", action="store_true", help="only the fetch's plan choice (part 4)"
     )
     parser.add_argument(
+        "--fetch-partitions",
+        action="store_true",
+        help="only what the partitions of jobs cost a fetch (part 8)",
+    )
+    parser.add_argument(
         "--e2e-cpu", action="store_true", help="only end-to-end CPU and fetches per task (part 5)"
     )
     parser.add_argument(
@@ -695,7 +786,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         conn = psycopg.connect(url, autocommit=True)
         conn.execute("CREATE EXTENSION pg_stat_statements")
-        if args.publish_cpu or args.fetch_plans or args.e2e_cpu or args.blocking or args.fleet:
+        if (
+            args.publish_cpu
+            or args.fetch_plans
+            or args.fetch_partitions
+            or args.e2e_cpu
+            or args.blocking
+            or args.fleet
+        ):
             report = {}
             if args.fleet:
                 report["fleet"] = fleet(url, sizes=args.fleet_sizes)
@@ -703,6 +801,8 @@ def main(argv: list[str] | None = None) -> int:
                 report["publish_cpu"] = publish_cpu(broker)
             if args.fetch_plans:
                 report["fetch_plans"] = fetch_plans(url)
+            if args.fetch_partitions:
+                report["fetch_partitions"] = fetch_partitions(url)
             if args.e2e_cpu:
                 report["e2e_cpu"] = e2e_cpu(
                     broker, conn, workers=args.e2e_workers, cooldowns=args.e2e_cooldowns

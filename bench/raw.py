@@ -1,8 +1,9 @@
 """Raw figures below Celery: what PostgreSQL itself allows, and kombu publish / consume.
 
-SQL ceilings (psycopg 3, autocommit, fsync on, the ``raw_bench`` database): a table shaped as
-pgskip's ``jobs`` (``CREATE TABLE ... (LIKE pgskip.jobs INCLUDING ALL)``: same columns and
-indexes, no trigger), a real Celery message as payload.
+SQL ceilings (psycopg 3, autocommit, fsync on, the ``raw_bench`` database): one plain table
+shaped as pgskip's ``jobs`` (``CREATE TABLE ... (LIKE pgskip.jobs INCLUDING ALL)`` with a
+primary key on ``id`` and without the ring's ``slot``: same columns and indexes, no trigger,
+no partitions), a real Celery message as payload.
 
 * single-row INSERT, one durable commit each, one connection, through psycopg and through
   libpq itself (as the transport's publish runs);
@@ -34,6 +35,9 @@ CREATE SCHEMA ceiling;
 CREATE TABLE ceiling.jobs (LIKE pgskip.jobs INCLUDING ALL)
   WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02,
         autovacuum_vacuum_threshold = 1000, autovacuum_vacuum_cost_delay = 0);
+-- One plain table: jobs' primary key is its partitions' (the parent has none to copy), and
+-- its slot column is the ring's.
+ALTER TABLE ceiling.jobs ADD PRIMARY KEY (id), DROP COLUMN slot;
 """
 
 INSERT = (
