@@ -13,10 +13,10 @@ its own:
   (:class:`~kombu_pgskip.pausing.PauseWatch`, :class:`~kombu_pgskip.limits.LimitWatch`) and
   the check of the xmin horizon (:class:`~kombu_pgskip.health.HorizonMonitor`, throttled by
   itself), and the rotation of ``jobs``' slots every ``ROTATE_S`` (:meth:`Store.rotate`: one
-  worker of the fleet at a time does it, the others find it taken and go on). Each of its
-  statements
-  waits for locks and runs only within a budget of half the renewal interval, so the next
-  renewal is never late by more than that.
+  worker of the fleet at a time does it, the others find it taken and go on; after a failed
+  one, twice as long each time, up to ``ROTATE_MAX_S``). Each of its statements waits for
+  locks and runs only within a budget of half the renewal interval, so the next renewal is
+  never late by more than that.
 
 The thread also starts the check of the pg_cron jobs' runs
 (:class:`~kombu_pgskip.health.CronRunMonitor`, throttled by itself), which runs in a thread and
@@ -70,6 +70,11 @@ RETRY_S = 0.5
 #: 20,000 ids is left soon after it fills at full speed, and emptied soon after its messages
 #: finish.
 ROTATE_S = 1.0
+#: After a rotation that failed (its statement ran out of time, the connection broke), the next
+#: one waits twice as long as the last, up to this: a move to ``jobs_kept`` that does not fit in
+#: the housekeeping budget holds every fetch up while it runs, and is not to be retried every
+#: second.
+ROTATE_MAX_S = 60.0
 #: How long after the grace a sweep that found a consumer without its lock sweeps again.
 GRACE_MARGIN_S = 0.1
 #: Longest wait between two looks at the stop flag and at the consumers to renew, while the
@@ -79,6 +84,11 @@ WATCH_S = 0.25
 #: SQLSTATEs of housekeeping errors after which the connection is fine: a lock or the time
 #: ran out (lock_timeout, statement_timeout).
 _TIMED_OUT = frozenset({"55P03", "57014"})
+
+
+def rotation_delay(failures: int) -> float:
+    """Seconds until the next rotation after ``failures`` failed ones in a row."""
+    return float(min(ROTATE_S * 2.0 ** min(failures, 16), ROTATE_MAX_S))
 
 
 class Background(threading.Thread):
@@ -117,6 +127,8 @@ class Background(threading.Thread):
         self._renewed: set[uuid.UUID] = set()
         #: Whether the last sweep found a consumer without its session lock.
         self._suspects = False
+        #: Rotations that failed since the last one that did not.
+        self._rotation_failures = 0
 
     def run(self) -> None:
         now = time.monotonic()
@@ -147,8 +159,8 @@ class Background(threading.Thread):
                     if self._suspects:  # a consumer's lock is gone: dead once the grace is over
                         sweep_at = min(sweep_at, time.monotonic() + LOCK_GRACE_S + GRACE_MARGIN_S)
                 if now >= rotate_at:
-                    rotate_at = now + ROTATE_S
                     self._housekeep("rotation", self._rotate, time.monotonic() + self.budget)
+                    rotate_at = time.monotonic() + rotation_delay(self._rotation_failures)
                 self.horizon.maybe_check()  # throttled; logs its own failures
                 self.cron_runs.maybe_check()  # throttled; runs in a thread of its own
                 if self._wait(min(renew_at, sweep_at, rotate_at)):
@@ -275,8 +287,10 @@ class Background(threading.Thread):
         return check
 
     def _rotate(self, deadline: float) -> None:
+        self._rotation_failures += 1
         with self.store.bounded(deadline - time.monotonic()):
             emptied, moved, current = self.store.rotate()
+        self._rotation_failures = 0
         if moved:
             logger.info(
                 "rotation: %d messages still to keep moved to jobs_kept from the slot now current"

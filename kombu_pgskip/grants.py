@@ -104,6 +104,7 @@ WORKER_FUNCTIONS = (
     "sweep(integer)",
     "rotate()",
     "rotation_keeps(smallint, interval)",
+    "rotation_keeps_more(smallint, interval, bigint)",
     "current_slot()",
 )
 #: The default of jobs.slot, which inserts that do not write the slot use (migration 0027).

@@ -629,6 +629,7 @@ CREATE FUNCTION pgskip.rotate(OUT emptied integer, OUT moved bigint, OUT current
     AS $$
 DECLARE
     r     jobs_rotation;
+    i     integer;
     k     integer;
     n     bigint;
     last  bigint;
@@ -663,36 +664,43 @@ BEGIN
             NULL;  -- read by a statement or an open transaction: next time
         END;
     END LOOP;
-    -- Move the ring on.
+    -- Move the ring on, to the first slot after the current one that is empty or holds at most
+    -- 2 * slot_rows messages to keep (those are moved to jobs_kept first).
     SELECT max(id) INTO last FROM jobs WHERE slot = r.slot;
     IF last - r.first_id + 1 >= r.slot_rows THEN
-        k := r.slot % r.slots + 1;
-        part := 'jobs_' || k;
-        BEGIN
-            IF pg_relation_size(part::regclass) > 0 THEN
-                EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);
-                SELECT coalesce(array_agg(id), '{}') INTO kept FROM jobs
-                 WHERE slot = k
-                   AND (status IN ('scheduled', 'pending', 'running', 'failed')
-                        OR (status = 'completed'
-                            AND finished_at > now() - r.completed_retention));
-                UPDATE jobs SET slot = 0 WHERE slot = k AND id = ANY (kept);
-                -- Every one of them is in jobs_kept before the slot is emptied, or nothing
-                -- is done (a trigger that refused a row would otherwise lose it).
-                n := (SELECT count(*) FROM jobs WHERE slot = 0 AND id = ANY (kept));
-                IF n <> cardinality(kept) THEN
-                    RAISE EXCEPTION 'rotate(): % of the % messages to keep of slot % reached '
-                                    'jobs_kept; the slot is left as it is', n, cardinality(kept), k;
+        FOR i IN 1 .. r.slots - 1 LOOP
+            k := (r.slot + i - 1) % r.slots + 1;
+            part := 'jobs_' || k;
+            CONTINUE WHEN pg_relation_size(part::regclass) > 0
+                      AND rotation_keeps_more(k::smallint, r.completed_retention, 2 * r.slot_rows);
+            BEGIN
+                IF pg_relation_size(part::regclass) > 0 THEN
+                    EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);
+                    SELECT coalesce(array_agg(id), '{}') INTO kept FROM jobs
+                     WHERE slot = k
+                       AND (status IN ('scheduled', 'pending', 'running', 'failed')
+                            OR (status = 'completed'
+                                AND finished_at > now() - r.completed_retention));
+                    UPDATE jobs SET slot = 0 WHERE slot = k AND id = ANY (kept);
+                    -- Every one of them is in jobs_kept before the slot is emptied, or nothing
+                    -- is done (a trigger that refused a row would otherwise lose it).
+                    n := (SELECT count(*) FROM jobs WHERE slot = 0 AND id = ANY (kept));
+                    IF n <> cardinality(kept) THEN
+                        RAISE EXCEPTION 'rotate(): % of the % messages to keep of slot % reached '
+                                        'jobs_kept; the slot is left as it is',
+                                        n, cardinality(kept), k;
+                    END IF;
+                    moved := moved + n;
+                    EXECUTE format('TRUNCATE %I', part);
+                    emptied := emptied + 1;
                 END IF;
-                moved := moved + n;
-                EXECUTE format('TRUNCATE %I', part);
-                emptied := emptied + 1;
-            END IF;
-            UPDATE jobs_rotation SET slot = k, first_id = last + 1, since = now();
-            current := k;
-        EXCEPTION WHEN lock_not_available THEN
-            NULL;
-        END;
+                UPDATE jobs_rotation SET slot = k, first_id = last + 1, since = now();
+                current := k;
+            EXCEPTION WHEN lock_not_available THEN
+                NULL;  -- next time
+            END;
+            EXIT;
+        END LOOP;
     END IF;
 END
 $$;
@@ -711,6 +719,22 @@ CREATE FUNCTION pgskip.rotation_keeps(k smallint, completed_retention interval) 
         OR EXISTS (SELECT FROM jobs WHERE slot = k AND status = 'failed')
         OR EXISTS (SELECT FROM jobs WHERE slot = k AND status = 'completed'
                                       AND finished_at > now() - completed_retention)
+$$;
+
+--
+-- Name: rotation_keeps_more(smallint, interval, bigint); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.rotation_keeps_more(k smallint, completed_retention interval, n bigint) RETURNS boolean
+    LANGUAGE sql STABLE
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    AS $$
+    SELECT count(*) > n
+      FROM (SELECT FROM jobs
+             WHERE slot = k
+               AND (status IN ('scheduled', 'pending', 'running', 'failed')
+                    OR (status = 'completed' AND finished_at > now() - completed_retention))
+             LIMIT n + 1) AS kept
 $$;
 
 --
@@ -2440,6 +2464,12 @@ REVOKE ALL ON FUNCTION pgskip.rotate(OUT emptied integer, OUT moved bigint, OUT 
 --
 
 REVOKE ALL ON FUNCTION pgskip.rotation_keeps(k smallint, completed_retention interval) FROM PUBLIC;
+
+--
+-- Name: FUNCTION rotation_keeps_more(k smallint, completed_retention interval, n bigint); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.rotation_keeps_more(k smallint, completed_retention interval, n bigint) FROM PUBLIC;
 
 --
 -- Name: FUNCTION sweep(max_attempts integer); Type: ACL; Schema: pgskip; Owner: -

@@ -1009,6 +1009,8 @@ def _granted_before(
                 )
             ):
                 continue
+            if version <= 28 and "rotation_keeps_more" in text:
+                continue
             if version <= 27 and ', "slot")' in text:
                 text = text.replace(', "slot")', ")")
                 g = Grant(g.role, g.what, sql.Composed([sql.SQL(text)]))
@@ -1196,6 +1198,33 @@ def test_migration_0027_lets_roles_granted_before_it_publish_and_rotate(
             store.close()
         with psycopg.connect(publisher.url(db_url)) as conn:
             _denied(conn, "SELECT * FROM pgskip.rotate()")
+
+
+def test_migration_0028_lets_workers_granted_before_it_move_the_ring_onto_a_used_slot(
+    any_pg_server: PgServer, versioned_empty_db_url: str, tmp_path: Any
+) -> None:
+    """rotate() counts what a slot keeps through a function of migration 0028: a worker role
+    granted by an older `pgskip grant` may call it, and moves the ring onto a slot that still
+    holds a message; a publisher may not."""
+    db_url = versioned_empty_db_url
+    with _granted_before(any_pg_server, db_url, tmp_path, 28) as (worker, publisher):
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute("UPDATE pgskip.jobs_rotation SET slot_rows = 1, slots = 2")
+        sender = Store(broker(publisher.url(db_url)))
+        store = Store(broker(worker.url(db_url)))
+        try:
+            kept = sender.publish(NewMessage("q", 0, "pending", None, "{}", "t", "1", None))
+            assert store.rotate() == (0, 0, 2)
+            assert sender.publish(NewMessage("q", 0, "pending", None, "{}", "t", "2", None))
+            assert store.rotate() == (1, 1, 1)  # slot 1's waiting message moved to jobs_kept
+            consumer = uuid.uuid4()
+            store.register_consumer(consumer, hostname="w", queues=["q"], lease=30)
+            assert [r.id for r in store.fetch(["q"], 1, consumer)] == [kept]
+        finally:
+            sender.close()
+            store.close()
+        with psycopg.connect(publisher.url(db_url)) as conn:
+            _denied(conn, "SELECT pgskip.rotation_keeps_more(1::smallint, '1 s', 0)")
 
 
 def test_a_publisher_cannot_revoke_a_waiting_message(tidy: Deployment) -> None:

@@ -1,0 +1,139 @@
+-- pgskip: compatible-with 0019
+-- 0028_bounded_rotation: the ring never moves more than twice a slot's worth of messages at once.
+--
+-- When the ring comes back to a slot that still holds messages to keep, rotate() moves them to
+-- jobs_kept under an ACCESS EXCLUSIVE lock of the slot, which every fetch and ack waits for (a
+-- generic plan locks every partition). A slot filled as intended holds slot_rows ids, and the
+-- few published in the second before rotate() noticed: with the one-day retention of completed
+-- messages, moving them takes a fraction of a second. But while a session that has read jobs
+-- holds its locks (a pg_dump, a report in REPEATABLE READ), no slot can be locked, the ring
+-- stays on the current slot and that slot takes every message published meanwhile: hundreds of
+-- thousands in a few minutes. When the ring came back to it, moving them all outlasted the
+-- worker's statement_timeout, was rolled back (leaving every row it had copied as a dead row of
+-- jobs_kept) and was tried again a second later, holding up every fetch each time: the fleet
+-- drained at a few percent of its rate until the move happened to fit.
+--
+-- Now rotate() counts, without a lock, whether a slot holds more than 2 * slot_rows messages to
+-- keep, and passes over such a slot: the ring takes the next slot after it that holds fewer, or
+-- stays on the current one (which then takes more than slot_rows ids, as one table would) until
+-- one does. A slot passed over is emptied by TRUNCATE like any other once its messages have
+-- finished and its completed ones are past the retention, or its messages to keep are moved
+-- when they have become few enough (pending ones taken, completed ones pruned).
+-- A slot the ring cannot lock (read by a statement or an open transaction) is still left for
+-- the next call, without trying the slots after it: each try waits up to the lock_timeout.
+
+SELECT pg_catalog.set_config(
+    'search_path', pg_catalog.format('%I, pg_catalog, pg_temp', pg_catalog.current_schema()), true);
+
+-- rotation_keeps_more: whether slot k holds more than n messages to keep (as rotation_keeps
+-- counts them), reading at most n + 1 of them.
+CREATE FUNCTION rotation_keeps_more(k smallint, completed_retention interval, n bigint)
+RETURNS boolean
+LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
+    SELECT count(*) > n
+      FROM (SELECT FROM jobs
+             WHERE slot = k
+               AND (status IN ('scheduled', 'pending', 'running', 'failed')
+                    OR (status = 'completed' AND finished_at > now() - completed_retention))
+             LIMIT n + 1) AS kept
+$$;
+REVOKE EXECUTE ON FUNCTION rotation_keeps_more(smallint, interval, bigint) FROM PUBLIC;
+
+-- rotate: move the ring on when the current slot has given out slot_rows ids, and empty the
+-- slots that hold nothing to keep. Returns the slots emptied, the messages moved to jobs_kept,
+-- and the current slot. (CREATE OR REPLACE keeps the grants of migration 0027.)
+CREATE OR REPLACE FUNCTION rotate(OUT emptied integer, OUT moved bigint, OUT current smallint)
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    r     jobs_rotation;
+    i     integer;
+    k     integer;
+    n     bigint;
+    last  bigint;
+    part  text;
+    kept  bigint[];
+BEGIN
+    emptied := 0;
+    moved := 0;
+    -- One rotation at a time: the others skip, they would find nothing left to do.
+    SELECT * INTO r FROM jobs_rotation FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        SELECT slot INTO current FROM jobs_rotation;
+        RETURN;
+    END IF;
+    current := r.slot;
+    PERFORM set_config('lock_timeout', '100ms', true);
+    -- Empty the slots behind the current one that hold nothing to keep.
+    FOR k IN 1 .. r.slots LOOP
+        CONTINUE WHEN k = r.slot;
+        part := 'jobs_' || k;
+        CONTINUE WHEN pg_relation_size(part::regclass) = 0;
+        CONTINUE WHEN rotation_keeps(k::smallint, r.completed_retention);
+        BEGIN
+            EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);
+            -- Under the lock, nothing writes the slot: look again (a publish that read this
+            -- slot as current just before the ring moved on may have written to it).
+            IF NOT rotation_keeps(k::smallint, r.completed_retention) THEN
+                EXECUTE format('TRUNCATE %I', part);
+                emptied := emptied + 1;
+            END IF;
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;  -- read by a statement or an open transaction: next time
+        END;
+    END LOOP;
+    -- Move the ring on, to the first slot after the current one that is empty or holds at most
+    -- 2 * slot_rows messages to keep (those are moved to jobs_kept first).
+    SELECT max(id) INTO last FROM jobs WHERE slot = r.slot;
+    IF last - r.first_id + 1 >= r.slot_rows THEN
+        FOR i IN 1 .. r.slots - 1 LOOP
+            k := (r.slot + i - 1) % r.slots + 1;
+            part := 'jobs_' || k;
+            CONTINUE WHEN pg_relation_size(part::regclass) > 0
+                      AND rotation_keeps_more(k::smallint, r.completed_retention, 2 * r.slot_rows);
+            BEGIN
+                IF pg_relation_size(part::regclass) > 0 THEN
+                    EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);
+                    SELECT coalesce(array_agg(id), '{}') INTO kept FROM jobs
+                     WHERE slot = k
+                       AND (status IN ('scheduled', 'pending', 'running', 'failed')
+                            OR (status = 'completed'
+                                AND finished_at > now() - r.completed_retention));
+                    UPDATE jobs SET slot = 0 WHERE slot = k AND id = ANY (kept);
+                    -- Every one of them is in jobs_kept before the slot is emptied, or nothing
+                    -- is done (a trigger that refused a row would otherwise lose it).
+                    n := (SELECT count(*) FROM jobs WHERE slot = 0 AND id = ANY (kept));
+                    IF n <> cardinality(kept) THEN
+                        RAISE EXCEPTION 'rotate(): % of the % messages to keep of slot % reached '
+                                        'jobs_kept; the slot is left as it is',
+                                        n, cardinality(kept), k;
+                    END IF;
+                    moved := moved + n;
+                    EXECUTE format('TRUNCATE %I', part);
+                    emptied := emptied + 1;
+                END IF;
+                UPDATE jobs_rotation SET slot = k, first_id = last + 1, since = now();
+                current := k;
+            EXCEPTION WHEN lock_not_available THEN
+                NULL;  -- next time
+            END;
+            EXIT;
+        END LOOP;
+    END IF;
+END
+$$;
+
+-- Workers rotate: the roles that may call rotate() may call what it calls.
+DO $$
+DECLARE
+    g record;
+BEGIN
+    FOR g IN
+        SELECT DISTINCT quote_ident(a.grantee::regrole::text) AS who
+          FROM pg_proc AS p, aclexplode(p.proacl) AS a
+         WHERE p.oid = 'rotate()'::regprocedure AND a.grantee NOT IN (0, p.proowner)
+    LOOP
+        EXECUTE format('GRANT EXECUTE ON FUNCTION rotation_keeps_more(smallint, interval, bigint)'
+                       ' TO %s', g.who);
+    END LOOP;
+END
+$$;
