@@ -635,6 +635,7 @@ DECLARE
     last  bigint;
     part  text;
     kept  bigint[];
+    trimmed boolean := false;
 BEGIN
     emptied := 0;
     moved := 0;
@@ -671,8 +672,30 @@ BEGIN
         FOR i IN 1 .. r.slots - 1 LOOP
             k := (r.slot + i - 1) % r.slots + 1;
             part := 'jobs_' || k;
-            CONTINUE WHEN pg_relation_size(part::regclass) > 0
-                      AND rotation_keeps_more(k::smallint, r.completed_retention, 2 * r.slot_rows);
+            IF pg_relation_size(part::regclass) > 0
+               AND rotation_keeps_more(k::smallint, r.completed_retention, 2 * r.slot_rows) THEN
+                -- Too many to move under the slot's lock. Its completed messages move now, up
+                -- to slot_rows per call, row by row and without that lock: no fetch, ack,
+                -- requeue or sweep writes a completed message. Those within a minute of the
+                -- retention stay, for prune() to delete (a prune with a shorter retention, or
+                -- an expired queue's deletion, that meets a message moved meanwhile fails
+                -- with a serialization error and deletes it on its next run). Once the slot
+                -- keeps few enough, it is taken.
+                IF NOT trimmed THEN
+                    trimmed := true;
+                    WITH c AS (
+                        SELECT id FROM jobs
+                         WHERE slot = k AND status = 'completed'
+                           AND finished_at > now() - r.completed_retention + interval '1 minute'
+                         LIMIT r.slot_rows
+                           FOR UPDATE SKIP LOCKED
+                    )
+                    UPDATE jobs SET slot = 0 FROM c WHERE jobs.slot = k AND jobs.id = c.id;
+                    GET DIAGNOSTICS n = ROW_COUNT;
+                    moved := moved + n;
+                END IF;
+                CONTINUE;
+            END IF;
             BEGIN
                 IF pg_relation_size(part::regclass) > 0 THEN
                     EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);

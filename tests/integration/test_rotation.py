@@ -255,17 +255,27 @@ def test_a_message_moved_to_jobs_kept_keeps_its_unique_key(store: Store, db_url:
     assert store.publish(keyed) is not None
 
 
-def _overfilled_slot_1(store: Store, db_url: str, *, slots: int) -> list[int]:
-    """Slot 1 holding 11 completed messages within the retention (as when the ring stayed on it
-    while a session held a lock of every slot), more than twice its slot_rows of 5; the ring
-    then on slot 2. Returns their ids."""
+def _overfilled_slot_1(store: Store, db_url: str, *, slots: int, finished: bool) -> list[int]:
+    """Slot 1 holding 11 messages to keep, more than twice its slot_rows of 5 (as when the ring
+    stayed on it while a session held a lock of every slot): waiting, or completed within the
+    retention if ``finished``; the ring then on slot 2. Returns their ids."""
     _ring(db_url, slot_rows=5, slots=slots, retention="1 hour")
-    me = _consumer(store)
     ids = _publish(store, 11)
-    rows = store.fetch(["q"], 11, me)
-    assert store.ack([r.tag for r in rows], me) == 11
+    if finished:
+        me = _consumer(store)
+        rows = store.fetch(["q"], 11, me)
+        assert store.ack([r.tag for r in rows], me) == 11
     assert store.rotate() == (0, 0, 2)
     return ids
+
+
+def _where(db_url: str, ids: list[int]) -> dict[int, int]:
+    """Messages per slot among ``ids``."""
+    with psycopg.connect(db_url) as conn:
+        rows = conn.execute(
+            "SELECT slot, count(*) FROM pgskip.jobs WHERE id = ANY(%s) GROUP BY 1", (ids,)
+        ).fetchall()
+    return {int(r[0]): int(r[1]) for r in rows}
 
 
 def test_a_slot_with_more_to_keep_than_twice_its_ids_is_passed_over(
@@ -273,49 +283,75 @@ def test_a_slot_with_more_to_keep_than_twice_its_ids_is_passed_over(
 ) -> None:
     """Moving more than 2 * slot_rows messages at once would hold up every fetch for as long as
     it took: the ring takes the next slot after it instead, and moves what that one keeps."""
-    overfilled = _overfilled_slot_1(store, db_url, slots=3)
-    me = _consumer(store)
+    overfilled = _overfilled_slot_1(store, db_url, slots=3, finished=False)
     waiting = _publish(store, 5)  # slot 2
     assert store.rotate() == (0, 0, 3)
     waiting += _publish(store, 5)  # slot 3
     assert store.rotate() == (1, 5, 2)  # slot 1 passed over; slot 2's five waiting moved
     assert _slots(db_url) == {0: 5, 1: 11, 3: 5}
-    assert sorted(r.id for r in store.fetch(["q"], 20, me)) == sorted(waiting)
-    with psycopg.connect(db_url) as conn:
-        still = conn.execute(
-            "SELECT count(*) FROM pgskip.jobs WHERE id = ANY(%s) AND status = 'completed'",
-            (overfilled,),
-        ).fetchone()
-    assert still == (11,)
+    me = _consumer(store)
+    taken = store.fetch(["q"], 30, me)
+    assert sorted(r.id for r in taken) == sorted(overfilled + waiting)
 
 
 def test_the_ring_stays_on_its_slot_while_every_other_holds_too_much_to_move(
     store: Store, db_url: str
 ) -> None:
     """With no slot to take, the current one takes more than slot_rows ids, as one table
-    would; once the slot passed over is emptied (its completed messages past the retention),
-    the ring moves on to it."""
-    _overfilled_slot_1(store, db_url, slots=2)
+    would, and the ring moves on once the slot passed over can be taken: here its messages
+    ran, and their completed rows moved to jobs_kept a slot's worth per call."""
+    overfilled = _overfilled_slot_1(store, db_url, slots=2, finished=False)
     _publish(store, 12)
     assert store.rotate() == (0, 0, 2)
     assert store.rotate() == (0, 0, 2)
     assert _slots(db_url) == {1: 11, 2: 12}
+    me = _consumer(store)
+    rows = [r for r in store.fetch(["q"], 30, me) if r.id in overfilled]
+    assert store.ack([r.tag for r in rows], me) == 11
+    assert store.rotate() == (0, 5, 2)  # five completed moved, six still to keep: <= 10
+    assert store.rotate() == (1, 6, 1)  # taken, the other six moved under its lock
+    assert _where(db_url, overfilled) == {0: 11}
+    _publish(store, 1)
+    assert _slots(db_url) == {0: 11, 1: 1, 2: 12}
+
+
+def test_completed_messages_of_a_slot_passed_over_move_without_its_lock(
+    store: Store, db_url: str
+) -> None:
+    """A slot passed over with a day of completed messages is not left for a day: each call
+    moves slot_rows of them to jobs_kept, a transaction that reads the slot (and holds it
+    against the lock rotate() needs to take it) notwithstanding; then the slot is taken."""
+    overfilled = _overfilled_slot_1(store, db_url, slots=2, finished=True)
+    _publish(store, 5)
+    with psycopg.connect(db_url) as reader:
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM pgskip.jobs_1")
+        assert store.rotate() == (0, 5, 2)
+        assert store.rotate() == (0, 0, 2)  # six to keep: taken, but not while it is read
+        reader.rollback()
+    assert store.rotate() == (1, 6, 1)
+    assert _where(db_url, overfilled) == {0: 11}
+    with psycopg.connect(db_url) as conn:
+        statuses = conn.execute(
+            "SELECT status::text, count(*) FROM pgskip.jobs WHERE id = ANY(%s) GROUP BY 1",
+            (overfilled,),
+        ).fetchall()
+    assert statuses == [("completed", 11)]
+
+
+def test_completed_messages_about_to_pass_the_retention_stay_for_pruning(
+    store: Store, db_url: str
+) -> None:
+    """Only completed messages more than a minute within the retention move without the
+    slot's lock: prune() may be deleting the others."""
+    overfilled = _overfilled_slot_1(store, db_url, slots=2, finished=True)
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute(
-            "UPDATE pgskip.jobs SET finished_at = now() - interval '2 hours' WHERE slot = 1"
+            "UPDATE pgskip.jobs SET finished_at = now() - interval '59 minutes 30 seconds'"
+            " WHERE id = ANY(%s)",
+            (overfilled,),
         )
-    assert store.rotate() == (1, 0, 1)
-    _publish(store, 1)
-    assert _slots(db_url) == {1: 1, 2: 12}
-
-
-def test_a_slot_is_moved_as_its_messages_to_keep_become_few(store: Store, db_url: str) -> None:
-    """A slot passed over is taken once it keeps at most 2 * slot_rows messages: here pruning
-    deleted some of its completed ones."""
-    overfilled = _overfilled_slot_1(store, db_url, slots=2)
     _publish(store, 5)
     assert store.rotate() == (0, 0, 2)
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("DELETE FROM pgskip.jobs WHERE id = ANY(%s)", (overfilled[:1],))
-    assert store.rotate() == (1, 10, 1)
-    assert _slots(db_url) == {0: 10, 2: 5}
+    assert store.rotate() == (0, 0, 2)
+    assert _where(db_url, overfilled) == {1: 11}
