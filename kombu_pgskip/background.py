@@ -88,7 +88,7 @@ _TIMED_OUT = frozenset({"55P03", "57014"})
 
 def rotation_delay(failures: int) -> float:
     """Seconds until the next rotation after ``failures`` failed ones in a row."""
-    return float(min(ROTATE_S * 2.0 ** min(failures, 16), ROTATE_MAX_S))
+    return min(ROTATE_S * 2.0 ** min(failures, 16), ROTATE_MAX_S)
 
 
 class Background(threading.Thread):
