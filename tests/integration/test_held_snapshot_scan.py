@@ -16,7 +16,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu_pgskip.policy import FetchPolicy
 from kombu_pgskip.store import Store
 
-BACKLOG = 20_000
+BACKLOG = 60_000
 
 
 def _broker(url: str) -> str:
