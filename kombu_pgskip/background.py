@@ -293,8 +293,9 @@ class Background(threading.Thread):
         self._rotation_failures = 0
         if moved:
             logger.info(
-                "rotation: %d messages still to keep moved to jobs_kept (from the slot the ring"
-                " came back to, or completed ones of a slot it passed over); slot %d current",
+                "rotation: %d messages still to keep moved to jobs_kept (completed ones of the"
+                " slot after the current one, or any of a slot the ring came back to);"
+                " slot %d current",
                 moved,
                 current,
                 extra={"action": "rotate", "moved": moved, "slot": current},

@@ -635,7 +635,6 @@ DECLARE
     last  bigint;
     part  text;
     kept  bigint[];
-    trimmed boolean := false;
 BEGIN
     emptied := 0;
     moved := 0;
@@ -665,6 +664,23 @@ BEGIN
             NULL;  -- read by a statement or an open transaction: next time
         END;
     END LOOP;
+    -- The slot after the current one: its completed messages move to jobs_kept now, up to
+    -- slot_rows per call, row by row. Those within a minute of the retention stay, for prune()
+    -- to delete (a prune with a shorter retention, or an expired queue's deletion, that meets a
+    -- message moved meanwhile fails with a serialization error and deletes it on its next run).
+    k := r.slot % r.slots + 1;
+    IF pg_relation_size(('jobs_' || k)::regclass) > 0 THEN
+        WITH c AS (
+            SELECT id FROM jobs
+             WHERE slot = k AND status = 'completed'
+               AND finished_at > now() - r.completed_retention + interval '1 minute'
+             LIMIT r.slot_rows
+               FOR UPDATE SKIP LOCKED
+        )
+        UPDATE jobs SET slot = 0 FROM c WHERE jobs.slot = k AND jobs.id = c.id;
+        GET DIAGNOSTICS n = ROW_COUNT;
+        moved := moved + n;
+    END IF;
     -- Move the ring on, to the first slot after the current one that is empty or holds at most
     -- 2 * slot_rows messages to keep (those are moved to jobs_kept first).
     SELECT max(id) INTO last FROM jobs WHERE slot = r.slot;
@@ -672,30 +688,8 @@ BEGIN
         FOR i IN 1 .. r.slots - 1 LOOP
             k := (r.slot + i - 1) % r.slots + 1;
             part := 'jobs_' || k;
-            IF pg_relation_size(part::regclass) > 0
-               AND rotation_keeps_more(k::smallint, r.completed_retention, 2 * r.slot_rows) THEN
-                -- Too many to move under the slot's lock. Its completed messages move now, up
-                -- to slot_rows per call, row by row and without that lock: no fetch, ack,
-                -- requeue or sweep writes a completed message. Those within a minute of the
-                -- retention stay, for prune() to delete (a prune with a shorter retention, or
-                -- an expired queue's deletion, that meets a message moved meanwhile fails
-                -- with a serialization error and deletes it on its next run). Once the slot
-                -- keeps few enough, it is taken.
-                IF NOT trimmed THEN
-                    trimmed := true;
-                    WITH c AS (
-                        SELECT id FROM jobs
-                         WHERE slot = k AND status = 'completed'
-                           AND finished_at > now() - r.completed_retention + interval '1 minute'
-                         LIMIT r.slot_rows
-                           FOR UPDATE SKIP LOCKED
-                    )
-                    UPDATE jobs SET slot = 0 FROM c WHERE jobs.slot = k AND jobs.id = c.id;
-                    GET DIAGNOSTICS n = ROW_COUNT;
-                    moved := moved + n;
-                END IF;
-                CONTINUE;
-            END IF;
+            CONTINUE WHEN pg_relation_size(part::regclass) > 0
+                AND rotation_keeps_more(k::smallint, r.completed_retention, 2 * r.slot_rows);
             BEGIN
                 IF pg_relation_size(part::regclass) > 0 THEN
                     EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);
@@ -736,12 +730,12 @@ CREATE FUNCTION pgskip.rotation_keeps(k smallint, completed_retention interval) 
     LANGUAGE sql STABLE
     SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
     AS $$
-    SELECT EXISTS (SELECT FROM jobs WHERE slot = k AND status = 'pending')
+    SELECT EXISTS (SELECT FROM jobs WHERE slot = k AND status = 'completed'
+                                      AND finished_at > now() - completed_retention)
+        OR EXISTS (SELECT FROM jobs WHERE slot = k AND status = 'pending')
         OR EXISTS (SELECT FROM jobs WHERE slot = k AND status = 'scheduled')
         OR EXISTS (SELECT FROM jobs WHERE slot = k AND status = 'running')
         OR EXISTS (SELECT FROM jobs WHERE slot = k AND status = 'failed')
-        OR EXISTS (SELECT FROM jobs WHERE slot = k AND status = 'completed'
-                                      AND finished_at > now() - completed_retention)
 $$;
 
 --

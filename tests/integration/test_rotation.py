@@ -278,6 +278,15 @@ def _where(db_url: str, ids: list[int]) -> dict[int, int]:
     return {int(r[0]): int(r[1]) for r in rows}
 
 
+def _statuses(db_url: str, ids: list[int]) -> dict[str, int]:
+    """Messages per status among ``ids``."""
+    with psycopg.connect(db_url) as conn:
+        rows = conn.execute(
+            "SELECT status::text, count(*) FROM pgskip.jobs WHERE id = ANY(%s) GROUP BY 1", (ids,)
+        ).fetchall()
+    return {str(r[0]): int(r[1]) for r in rows}
+
+
 def test_a_slot_with_more_to_keep_than_twice_its_ids_is_passed_over(
     store: Store, db_url: str
 ) -> None:
@@ -299,7 +308,8 @@ def test_the_ring_stays_on_its_slot_while_every_other_holds_too_much_to_move(
 ) -> None:
     """With no slot to take, the current one takes more than slot_rows ids, as one table
     would, and the ring moves on once the slot passed over can be taken: here its messages
-    ran, and their completed rows moved to jobs_kept a slot's worth per call."""
+    ran, a slot's worth of their completed rows moved to jobs_kept without its lock and the
+    rest under it."""
     overfilled = _overfilled_slot_1(store, db_url, slots=2, finished=False)
     _publish(store, 12)
     assert store.rotate() == (0, 0, 2)
@@ -308,8 +318,7 @@ def test_the_ring_stays_on_its_slot_while_every_other_holds_too_much_to_move(
     me = _consumer(store)
     rows = [r for r in store.fetch(["q"], 30, me) if r.id in overfilled]
     assert store.ack([r.tag for r in rows], me) == 11
-    assert store.rotate() == (0, 5, 2)  # five completed moved, six still to keep: <= 10
-    assert store.rotate() == (1, 6, 1)  # taken, the other six moved under its lock
+    assert store.rotate() == (1, 11, 1)  # five completed moved, then six (<= 10) and taken
     assert _where(db_url, overfilled) == {0: 11}
     _publish(store, 1)
     assert _slots(db_url) == {0: 11, 1: 1, 2: 12}
@@ -320,23 +329,21 @@ def test_completed_messages_of_a_slot_passed_over_move_without_its_lock(
 ) -> None:
     """A slot passed over with a day of completed messages is not left for a day: each call
     moves slot_rows of them to jobs_kept, a transaction that reads the slot (and holds it
-    against the lock rotate() needs to take it) notwithstanding; then the slot is taken."""
+    against the lock rotate() needs to take it) notwithstanding; then the slot is emptied and
+    taken with nothing left to move."""
     overfilled = _overfilled_slot_1(store, db_url, slots=2, finished=True)
     _publish(store, 5)
     with psycopg.connect(db_url) as reader:
         reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
         reader.execute("SELECT count(*) FROM pgskip.jobs_1")
+        assert store.rotate() == (0, 5, 2)  # six to keep: taken, but not while it is read
         assert store.rotate() == (0, 5, 2)
-        assert store.rotate() == (0, 0, 2)  # six to keep: taken, but not while it is read
+        assert store.rotate() == (0, 1, 2)
+        assert store.rotate() == (0, 0, 2)
         reader.rollback()
-    assert store.rotate() == (1, 6, 1)
+    assert store.rotate() == (1, 0, 1)
     assert _where(db_url, overfilled) == {0: 11}
-    with psycopg.connect(db_url) as conn:
-        statuses = conn.execute(
-            "SELECT status::text, count(*) FROM pgskip.jobs WHERE id = ANY(%s) GROUP BY 1",
-            (overfilled,),
-        ).fetchall()
-    assert statuses == [("completed", 11)]
+    assert _statuses(db_url, overfilled) == {"completed": 11}
 
 
 def test_completed_messages_about_to_pass_the_retention_stay_for_pruning(
@@ -355,3 +362,46 @@ def test_completed_messages_about_to_pass_the_retention_stay_for_pruning(
     assert store.rotate() == (0, 0, 2)
     assert store.rotate() == (0, 0, 2)
     assert _where(db_url, overfilled) == {1: 11}
+
+
+def test_the_slot_after_the_current_one_has_its_completed_messages_moved_before_the_wrap(
+    store: Store, db_url: str
+) -> None:
+    """With a retention longer than a turn of the ring, the slot the ring takes next holds a
+    slot's worth of completed messages: they move to jobs_kept ahead of need, without the
+    slot's lock, so that at the wrap only a message still waiting moves under it."""
+    _ring(db_url, slot_rows=5, slots=2, retention="1 hour")
+    me = _consumer(store)
+    ids = _publish(store, 5)
+    rows = store.fetch(["q"], 4, me)
+    assert store.ack([r.tag for r in rows], me) == 4
+    assert store.rotate() == (0, 0, 2)
+    _publish(store, 2)  # slot 2 has ids left: no wrap yet
+    assert store.rotate() == (0, 4, 2)
+    assert store.rotate() == (0, 0, 2)  # slot 1 still keeps its waiting message
+    assert _where(db_url, ids) == {0: 4, 1: 1}
+    _publish(store, 3)
+    assert store.rotate() == (1, 1, 1)  # the waiting one moved under the lock
+    assert _where(db_url, ids) == {0: 5}
+    (last,) = store.fetch(["q"], 1, me)
+    assert last.id == ids[4]
+    assert _statuses(db_url, ids) == {"completed": 4, "running": 1}
+
+
+def test_a_slot_whose_completed_messages_moved_ahead_is_emptied_before_the_wrap(
+    store: Store, db_url: str
+) -> None:
+    """Once the slot after the current one keeps nothing more, the next call empties it: the
+    wrap then takes an empty slot."""
+    _ring(db_url, slot_rows=5, slots=2, retention="1 hour")
+    me = _consumer(store)
+    ids = _publish(store, 5)
+    rows = store.fetch(["q"], 5, me)
+    assert store.ack([r.tag for r in rows], me) == 5
+    assert store.rotate() == (0, 0, 2)
+    assert store.rotate() == (0, 5, 2)
+    assert store.rotate() == (1, 0, 2)
+    assert _size(db_url, "jobs_1") == 0
+    _publish(store, 5)
+    assert store.rotate() == (0, 0, 1)
+    assert _where(db_url, ids) == {0: 5}
