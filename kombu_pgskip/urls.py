@@ -268,7 +268,9 @@ def connect(
     for the app role that runs Django migrations) could otherwise define a closer match that
     runs with this session's privileges (CVE-2018-1058). Off only where a session is not ours
     alone: PgBouncer in transaction pooling hands the server session on to other clients
-    (docs/security.md).
+    (docs/security.md). With it, ``jit`` is turned off: none of our statements runs long
+    enough to pay for compiling its expressions, and a generic plan over ``jobs``' partitions
+    can be estimated past ``jit_above_cost`` and compile at every execution (migration 0029).
     """
     conninfo = to_conninfo(url)
     kwargs.setdefault("connect_timeout", 10)
@@ -283,7 +285,7 @@ def connect(
         ) from None
     if pin_search_path:
         try:
-            conn.execute(f"SET search_path TO {SAFE_SEARCH_PATH}")
+            conn.execute(f"SET search_path TO {SAFE_SEARCH_PATH}; SET jit TO off")
             if not autocommit:
                 conn.commit()  # a SET in a transaction that rolls back would be undone
         except BaseException:

@@ -360,6 +360,7 @@ $$;
 CREATE FUNCTION pgskip.expire_queues(OUT queues bigint, OUT messages bigint) RETURNS record
     LANGUAGE sql
     SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
     AS $$
     WITH gone AS (
         DELETE FROM queues AS q
@@ -384,6 +385,7 @@ $$;
 CREATE FUNCTION pgskip.fire_due(now timestamp with time zone DEFAULT now(), lookahead interval DEFAULT '00:01:30'::interval) RETURNS integer
     LANGUAGE plpgsql
     SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
     AS $$
 DECLARE
     e          beat_entries;
@@ -505,6 +507,7 @@ $$;
 CREATE FUNCTION pgskip.prune(completed_after interval DEFAULT '1 day'::interval, failed_after interval DEFAULT '14 days'::interval) RETURNS TABLE(completed bigint, failed bigint, slots bigint)
     LANGUAGE sql
     SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
     AS $$
 -- Stale unique-key claims first, in a statement of their own (prune_unique_keys).
 SELECT prune_unique_keys(NULL);
@@ -535,6 +538,7 @@ $$;
 CREATE FUNCTION pgskip.prune_completed_batch(cutoff timestamp with time zone, batch integer) RETURNS bigint
     LANGUAGE sql
     SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
     AS $$
     WITH d AS (
         DELETE FROM jobs
@@ -589,6 +593,7 @@ $$;
 CREATE FUNCTION pgskip.prune_unique_keys(batch integer) RETURNS bigint
     LANGUAGE plpgsql
     SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
     AS $$
 DECLARE
     stale_queues text[];
@@ -626,6 +631,7 @@ $$;
 CREATE FUNCTION pgskip.rotate(OUT emptied integer, OUT moved bigint, OUT current smallint) RETURNS record
     LANGUAGE plpgsql
     SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
     AS $$
 DECLARE
     r     jobs_rotation;
@@ -761,6 +767,7 @@ $$;
 CREATE FUNCTION pgskip.sweep(max_attempts integer DEFAULT 20) RETURNS TABLE(requeued bigint, failed bigint, consumers_forgotten bigint, promoted bigint)
     LANGUAGE sql
     SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
     AS $$
 -- The advisory locks held in this database, as pg_advisory_lock(bigint) keys: read after
 -- this statement's snapshot was taken, so a row it sees was marked while its lock was held.
