@@ -7,9 +7,9 @@
 -- sweep() join jobs, a table of nine partitions, to CTEs whose sizes the planner cannot know,
 -- and are estimated past that, and past the cost where it also inlines and optimizes: each call
 -- compiled them anew, about 1.9 s of server CPU for a sweep that otherwise takes 5-10 ms, on a
--- table of 80,000 messages. Every worker sweeps every few seconds, so that compilation took a
--- large part of the server's CPU from the fetches. None of these statements runs long enough for
--- compiled expressions to pay for their compilation. The transport's own sessions turn jit off
+-- table of 80,000 messages. Every worker sweeps every sweep_interval (10 s): about a fifth of a
+-- core of the server per worker. None of these statements runs long enough for compiled
+-- expressions to pay for their compilation. The transport's own sessions turn jit off
 -- as well (kombu_pgskip.urls.connect); this covers pg_cron's sessions, `pgskip tick`, and
 -- workers behind PgBouncer, whose sessions keep the server's setting.
 
