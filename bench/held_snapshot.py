@@ -263,8 +263,28 @@ def _drain(conn: psycopg.Connection[Any], queue: str, timeout: float) -> float |
     return (start - left) / took if start and took > 0 else None
 
 
-def vacuum_not_removable(conn: psycopg.Connection[Any]) -> int:
-    """``VACUUM (VERBOSE) pgskip.jobs``: the dead row versions it found but could not remove."""
+def _left_to_move(conn: psycopg.Connection[Any]) -> int:
+    """Completed messages the ring's rotate() is still to move to ``jobs_kept`` (those of the
+    slots behind the current one, as migration 0028's move selects them)."""
+    return int(
+        _one(
+            conn,
+            "SELECT count(*) FROM pgskip.jobs AS j, pgskip.jobs_rotation AS r"
+            " WHERE j.slot NOT IN (0, r.slot) AND j.status = 'completed'"
+            "   AND j.finished_at > now() - r.completed_retention + interval '1 minute'",
+        )
+    )
+
+
+def vacuum_not_removable(conn: psycopg.Connection[Any], settle: float = 30.0) -> int:
+    """``VACUUM (VERBOSE) pgskip.jobs``: the dead row versions it found but could not remove.
+
+    It first waits (at most ``settle`` seconds) for the worker's rotate() to have moved the
+    completed messages it moves: rows a move deletes while VACUUM runs are dead but not yet
+    removable for that VACUUM, whatever holds the horizon."""
+    deadline = time.monotonic() + settle
+    while _left_to_move(conn) and time.monotonic() < deadline:
+        time.sleep(0.2)
     notices: list[str] = []
 
     def keep(diag: psycopg.errors.Diagnostic) -> None:

@@ -294,7 +294,7 @@ class Background(threading.Thread):
         if moved:
             logger.info(
                 "rotation: %d messages still to keep moved to jobs_kept (completed ones of the"
-                " slot after the current one, or any of a slot the ring came back to);"
+                " slots behind the current one, or any of a slot the ring came back to);"
                 " slot %d current",
                 moved,
                 current,

@@ -20,14 +20,17 @@
 -- have finished and its completed ones are past the retention.
 --
 -- And most of what the ring keeps moves before it is needed, without the slot's lock: each call
--- moves up to slot_rows completed messages (those within the retention) of the slot after the
--- current one to jobs_kept, row by row (no fetch, ack, requeue or sweep writes a completed
--- message). With the default retention of a day, a slot the ring comes back to holds a slot's
--- worth of them: moving those under the lock held up every fetch at every wrap (a move of
--- 20,000 rows takes a fifth of a second on an idle server), and a slot passed over with
--- hundreds of thousands would have stayed so for a day. Now the slot ahead is emptied by the
--- next call once its unfinished messages are done, and at the wrap only the messages still
--- waiting or running move under the lock.
+-- moves up to slot_rows completed messages (those within the retention) of the slots behind the
+-- current one, oldest first, to jobs_kept, row by row (no fetch, ack, requeue or sweep writes a
+-- completed message). With the default retention of a day, a slot the ring comes back to holds
+-- a slot's worth of them: moving those under the lock held up every fetch at every wrap (a move
+-- of 20,000 rows takes a fifth of a second on an idle server), and a slot passed over with
+-- hundreds of thousands would have stayed so for a day. And a slot the ring has left, kept for
+-- the day by its completed messages, held the dead entries of every message consumed from it
+-- until vacuum removed them, and every fetch that scanned its dequeue index walked them. Now a
+-- slot is emptied by TRUNCATE once its messages have run, and at the wrap only the messages
+-- still waiting or running move under the lock. The cost: with a retention between a minute
+-- and a turn of the ring, completed messages are copied that would have expired in their slot.
 -- A slot the ring cannot lock (read by a statement or an open transaction) is still left for
 -- the next call, without trying the slots after it: each try waits up to the lock_timeout.
 
@@ -105,23 +108,26 @@ BEGIN
             NULL;  -- read by a statement or an open transaction: next time
         END;
     END LOOP;
-    -- The slot after the current one: its completed messages move to jobs_kept now, up to
-    -- slot_rows per call, row by row. Those within a minute of the retention stay, for prune()
-    -- to delete (a prune with a shorter retention, or an expired queue's deletion, that meets a
-    -- message moved meanwhile fails with a serialization error and deletes it on its next run).
-    k := r.slot % r.slots + 1;
-    IF pg_relation_size(('jobs_' || k)::regclass) > 0 THEN
+    -- The slots behind the current one, oldest first: their completed messages move to
+    -- jobs_kept now, up to slot_rows per call, row by row. Those within a minute of the retention
+    -- stay, for prune() to delete (a prune with a shorter retention, or an expired queue's
+    -- deletion, that meets a message moved meanwhile fails with a serialization error and
+    -- deletes it on its next run).
+    FOR i IN 1 .. r.slots - 1 LOOP
+        k := (r.slot + i - 1) % r.slots + 1;
+        CONTINUE WHEN pg_relation_size(('jobs_' || k)::regclass) = 0;
         WITH c AS (
             SELECT id FROM jobs
              WHERE slot = k AND status = 'completed'
                AND finished_at > now() - r.completed_retention + interval '1 minute'
-             LIMIT r.slot_rows
+             LIMIT r.slot_rows - moved
                FOR UPDATE SKIP LOCKED
         )
         UPDATE jobs SET slot = 0 FROM c WHERE jobs.slot = k AND jobs.id = c.id;
         GET DIAGNOSTICS n = ROW_COUNT;
         moved := moved + n;
-    END IF;
+        EXIT WHEN moved >= r.slot_rows;
+    END LOOP;
     -- Move the ring on, to the first slot after the current one that is empty or holds at most
     -- 2 * slot_rows messages to keep (those are moved to jobs_kept first).
     SELECT max(id) INTO last FROM jobs WHERE slot = r.slot;

@@ -98,10 +98,11 @@ def test_a_slot_whose_messages_all_finished_is_emptied_and_its_space_returned(
     assert _slots(db_url) == {2: 50}
 
 
-@pytest.mark.parametrize("kept", ["pending", "scheduled", "running", "failed", "completed"])
+@pytest.mark.parametrize("kept", ["pending", "scheduled", "running", "failed"])
 def test_a_slot_holding_a_message_to_keep_is_not_emptied(
     store: Store, db_url: str, kept: str
 ) -> None:
+    """Its completed messages move to jobs_kept, the one it keeps stays in the slot."""
     _ring(db_url, slot_rows=10, retention="1 hour")
     me = _consumer(store)
     _publish(store, 10)
@@ -113,14 +114,51 @@ def test_a_slot_holding_a_message_to_keep_is_not_emptied(
             " WHERE id = %s",
             (kept, rows[0].id),
         )
-        if kept == "completed":  # every message completed, the last within the retention
-            conn.execute(
-                "UPDATE pgskip.jobs SET finished_at = now() - interval '2 hours' WHERE id <> %s",
-                (rows[0].id,),
-            )
     assert store.rotate() == (0, 0, 2)
+    assert store.rotate() == (0, 9, 2)
     assert store.rotate() == (0, 0, 2)
-    assert _slots(db_url) == {1: 10}
+    assert _slots(db_url) == {0: 9, 1: 1}
+
+
+def test_a_slot_the_ring_just_left_is_emptied_once_its_messages_have_run(
+    store: Store, db_url: str
+) -> None:
+    """Not only the slot the ring takes next: every slot behind the current one has its
+    completed messages moved, oldest slot first, and is emptied once they have, instead of
+    keeping the dead entries of every message consumed from it for the retention."""
+    _ring(db_url, slot_rows=5, retention="1 hour")
+    me = _consumer(store)
+    ids = _publish(store, 5)
+    rows = store.fetch(["q"], 5, me)
+    assert store.ack([r.tag for r in rows], me) == 5
+    assert store.rotate() == (0, 0, 2)
+    assert store.rotate() == (0, 5, 2)
+    assert store.rotate() == (1, 0, 2)
+    assert _size(db_url, "jobs_1") == 0
+    assert _where(db_url, ids) == {0: 5}
+
+
+def test_a_rotation_moves_at_most_a_slots_worth_oldest_slot_first(
+    store: Store, db_url: str
+) -> None:
+    """Two slots behind the current one, both of completed messages: one call moves slot_rows
+    of them, from the slot the ring takes next first."""
+    _ring(db_url, slot_rows=5, slots=4, retention="1 hour")
+    me = _consumer(store)
+    first = _publish(store, 5)
+    assert store.rotate() == (0, 0, 2)
+    second = _publish(store, 5)
+    assert store.rotate() == (0, 0, 3)
+    rows = store.fetch(["q"], 10, me)
+    assert store.ack([r.tag for r in rows], me) == 10
+    # Slot 4 is empty; then slot 1 (the oldest), then slot 2.
+    assert store.rotate() == (0, 5, 3)
+    assert _where(db_url, first) == {0: 5}
+    assert _where(db_url, second) == {2: 5}
+    assert store.rotate() == (1, 5, 3)
+    assert _where(db_url, second) == {0: 5}
+    assert store.rotate() == (1, 0, 3)
+    assert _slots(db_url) == {0: 10}
 
 
 def test_the_ring_coming_back_to_a_slot_moves_what_it_must_keep_to_jobs_kept(
