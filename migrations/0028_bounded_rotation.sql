@@ -32,7 +32,10 @@
 -- still waiting or running move under the lock. The cost: with a retention between a minute
 -- and a turn of the ring, completed messages are copied that would have expired in their slot.
 -- A slot the ring cannot lock (read by a statement or an open transaction) is still left for
--- the next call, without trying the slots after it: each try waits up to the lock_timeout.
+-- the next call, and so is every other slot that needs a lock: each try waits up to the
+-- lock_timeout, every fetch waits behind it, and a session that holds one slot (a pg_dump)
+-- holds them all, so that trying each slot would hold up fetches that long for every slot
+-- the ring could empty, at every call.
 
 SELECT pg_catalog.set_config(
     'search_path', pg_catalog.format('%I, pg_catalog, pg_temp', pg_catalog.current_schema()), true);
@@ -79,6 +82,7 @@ DECLARE
     last  bigint;
     part  text;
     kept  bigint[];
+    blocked boolean := false;
 BEGIN
     emptied := 0;
     moved := 0;
@@ -105,7 +109,11 @@ BEGIN
                 emptied := emptied + 1;
             END IF;
         EXCEPTION WHEN lock_not_available THEN
-            NULL;  -- read by a statement or an open transaction: next time
+            -- Read by a statement or an open transaction: next time. A session that holds one
+            -- slot (a pg_dump, a report that read jobs) holds them all, and every fetch waits
+            -- behind each try for up to the lock_timeout: no other slot is tried this call.
+            blocked := true;
+            EXIT;
         END;
     END LOOP;
     -- The slots behind the current one, oldest first: their completed messages move to
@@ -137,6 +145,8 @@ BEGIN
             part := 'jobs_' || k;
             CONTINUE WHEN pg_relation_size(part::regclass) > 0
                 AND rotation_keeps_more(k::smallint, r.completed_retention, 2 * r.slot_rows);
+            -- A slot to lock, when a lock was refused this call: next time.
+            EXIT WHEN blocked AND pg_relation_size(part::regclass) > 0;
             BEGIN
                 IF pg_relation_size(part::regclass) > 0 THEN
                     EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);

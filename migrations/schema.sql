@@ -641,6 +641,7 @@ DECLARE
     last  bigint;
     part  text;
     kept  bigint[];
+    blocked boolean := false;
 BEGIN
     emptied := 0;
     moved := 0;
@@ -667,7 +668,11 @@ BEGIN
                 emptied := emptied + 1;
             END IF;
         EXCEPTION WHEN lock_not_available THEN
-            NULL;  -- read by a statement or an open transaction: next time
+            -- Read by a statement or an open transaction: next time. A session that holds one
+            -- slot (a pg_dump, a report that read jobs) holds them all, and every fetch waits
+            -- behind each try for up to the lock_timeout: no other slot is tried this call.
+            blocked := true;
+            EXIT;
         END;
     END LOOP;
     -- The slots behind the current one, oldest first: their completed messages move to
@@ -699,6 +704,8 @@ BEGIN
             part := 'jobs_' || k;
             CONTINUE WHEN pg_relation_size(part::regclass) > 0
                 AND rotation_keeps_more(k::smallint, r.completed_retention, 2 * r.slot_rows);
+            -- A slot to lock, when a lock was refused this call: next time.
+            EXIT WHEN blocked AND pg_relation_size(part::regclass) > 0;
             BEGIN
                 IF pg_relation_size(part::regclass) > 0 THEN
                     EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);

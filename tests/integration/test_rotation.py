@@ -225,6 +225,30 @@ def test_a_transaction_that_read_the_slot_delays_its_emptying_without_failing(
     assert store.rotate() == (1, 0, 2)
 
 
+def test_a_session_holding_every_slot_costs_a_rotation_one_lock_wait(
+    store: Store, db_url: str
+) -> None:
+    """A pg_dump, or a report that read jobs, holds a lock of every slot, and every fetch
+    waits behind each try to lock one: rotate() tries one and leaves the others for the next
+    call."""
+    _ring(db_url, slot_rows=2)
+    me = _consumer(store)
+    for current in range(2, 8):
+        _publish(store, 2)
+        assert store.rotate() == (0, 0, current)
+    rows = store.fetch(["q"], 20, me)
+    assert store.ack([r.tag for r in rows], me) == 12  # slots 1 to 6 finished
+    with psycopg.connect(db_url) as reader:
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM pgskip.jobs")
+        started = time.monotonic()
+        assert store.rotate() == (0, 0, 7)
+        # One lock_timeout (0.1 s), not one per finished slot (0.6 s).
+        assert time.monotonic() - started < 0.35
+        reader.rollback()
+    assert store.rotate() == (6, 0, 7)
+
+
 def test_a_publish_left_open_does_not_delay_emptying_another_slot(
     store: Store, db_url: str
 ) -> None:
