@@ -341,6 +341,7 @@ def run(
 
             def phase(name: str, seconds: float) -> None:
                 say(f"phase {name}: {seconds:.0f}s at {rate} msg/s")
+                load.paused.clear()
                 size0 = _sizes(conn)[0]
                 done0 = _completed(conn)
                 t0 = time.monotonic()
@@ -357,7 +358,6 @@ def run(
                     _drain(conn, queue, timeout=drain_timeout)
                 total, table, index = _sizes(conn)
                 dead = vacuum_not_removable(conn)
-                load.paused.clear()
                 result.phases.append(
                     Phase(
                         name=name,
@@ -382,6 +382,9 @@ def run(
                 phase("during", hold)
             conn.execute("VACUUM pgskip.jobs")  # what autovacuum does within its naptime
             phase("after", after)
+            # Publishing stays paused: what is left once the queue drained (or the drain
+            # timed out) is what was not delivered.
+            _drain(conn, queue, timeout=drain_timeout)
             result.left_at_end = _waiting(conn, queue)
         finally:
             load.stop_event.set()
