@@ -149,17 +149,7 @@ class AsyncFetcher:
         if self._sent is not None:
             raise RuntimeError("a fetch is already in flight")
         pgconn = self._pgconn()
-        values = {
-            "ids": array_literal([t[0] for t in tags]),
-            "deliveries": array_literal([t[1] for t in tags]),
-            "queues": array_literal(list(queues)),
-            "limit": str(max(limit, 0)).encode(),
-            "max_bytes": self._max_bytes,
-            "consumer": str(consumer).encode(),
-            "urgent": array_literal(list(urgent)),
-        }
-        values |= {k: array_literal(v) for k, v in scan_params(queues, after).items()}
-        params = [values[n] for n in self._order]
+        params = self.params(tags, queues, limit, consumer, urgent, after)
         try:
             with self._classifying:
                 if self._prepared:
@@ -172,6 +162,28 @@ class AsyncFetcher:
             self._drop()  # its state unknown: the next fetch opens a new connection
             raise
         self._sent = limit
+
+    def params(
+        self,
+        tags: Sequence[tuple[int, int]],
+        queues: Sequence[str],
+        limit: int,
+        consumer: uuid.UUID,
+        urgent: Sequence[str] = (),
+        after: Sequence[Position] | None = None,
+    ) -> list[bytes]:
+        """The statement's parameters for :meth:`send`'s arguments, in its order, as text."""
+        values = {
+            "ids": array_literal([t[0] for t in tags]),
+            "deliveries": array_literal([t[1] for t in tags]),
+            "queues": array_literal(list(queues)),
+            "limit": str(max(limit, 0)).encode(),
+            "max_bytes": self._max_bytes,
+            "consumer": str(consumer).encode(),
+            "urgent": array_literal(list(urgent)),
+        }
+        values |= {k: array_literal(v) for k, v in scan_params(queues, after).items()}
+        return [values[n] for n in self._order]
 
     def poll(self) -> tuple[int, list[FetchedRow], int] | None:
         """None while the result has not arrived; else (acks still ours, rows, limit asked).

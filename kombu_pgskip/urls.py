@@ -271,6 +271,12 @@ def connect(
     (docs/security.md). With it, ``jit`` is turned off: none of our statements runs long
     enough to pay for compiling its expressions, and a generic plan over ``jobs``' partitions
     can be estimated past ``jit_above_cost`` and compile at every execution (migration 0029).
+    And so are sequential scans, unless nothing else can read a table: every statement of ours
+    reaches the rows it reads through an index, and a generic plan made while a slot of the
+    ring was empty (rotate() empties one with a TRUNCATE, after which the planner takes it for
+    a table of 10 pages) would otherwise read the whole slot on each execution once it has
+    filled, until something invalidates the plan (docs/performance.md, "A worker draining a
+    backlog").
     """
     conninfo = to_conninfo(url)
     kwargs.setdefault("connect_timeout", 10)
@@ -285,7 +291,9 @@ def connect(
         ) from None
     if pin_search_path:
         try:
-            conn.execute(f"SET search_path TO {SAFE_SEARCH_PATH}; SET jit TO off")
+            conn.execute(
+                f"SET search_path TO {SAFE_SEARCH_PATH}; SET jit TO off; SET enable_seqscan TO off"
+            )
             if not autocommit:
                 conn.commit()  # a SET in a transaction that rolls back would be undone
         except BaseException:

@@ -15,6 +15,8 @@ import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.asynchronous import Hub
 
+from tests.helpers import seq_scanned_rows
+
 
 def _broker(url: str) -> str:
     return url.replace("postgresql://", "pgskip://", 1)
@@ -575,6 +577,61 @@ def test_the_event_loop_fetch_is_planned_once_and_still_fences_acks(db_url: str)
     finally:
         fetcher.close()
         store.close()
+
+
+def test_the_event_loop_fetch_planned_while_a_slot_was_empty_reads_it_by_key_once_filled(
+    db_url: str,
+) -> None:
+    """The fetcher's generic plan is made once, at its first fetch, and kept until something
+    invalidates it (an ANALYZE, a TRUNCATE). A slot of the ring that was empty then, as
+    rotate() leaves a slot it emptied, fills later: the plan still finds the rows it takes by
+    primary key, not by reading the whole slot for each batch (a cost that grows with every
+    message the slot holds, and with every dead version a held snapshot keeps in it)."""
+    import uuid
+
+    from kombu_pgskip.fetcher import AsyncFetcher
+
+    with psycopg.connect(db_url, autocommit=True) as sql:
+        slots = sql.execute(
+            "SELECT string_agg(c.oid::regclass::text, ', ') FROM pg_inherits AS i"
+            " JOIN pg_class AS c ON c.oid = i.inhrelid"
+            " WHERE i.inhparent = 'pgskip.jobs'::regclass AND c.relname <> 'jobs_kept'"
+        ).fetchone()
+        assert slots is not None and slots[0]
+        # After a TRUNCATE the planner knows nothing of a slot's size and takes it for a
+        # table of 10 pages; slot 1 holds the messages that ran, as the current slot does.
+        sql.execute(f"TRUNCATE {slots[0]}")
+        sql.execute(
+            "INSERT INTO pgskip.jobs (queue, payload, status, finished_at, slot)"
+            " SELECT 'filled', '{}', 'completed', now(), 1 FROM generate_series(1, 100000)"
+        )
+    fetcher = AsyncFetcher(db_url, schema="pgskip", asynchronous_commit=False, connect_timeout=5)
+    me = uuid.uuid4()
+    try:
+        fetcher.send([], ["filled"], 10, me)
+        result = fetcher.wait()
+        assert result is not None and result[1] == []  # planned, slot 2 empty
+        with psycopg.connect(db_url, autocommit=True) as sql:
+            sql.execute(
+                "INSERT INTO pgskip.jobs (queue, payload, slot)"
+                " SELECT 'filled', '{}', 2 FROM generate_series(1, 20000)"
+            )
+        conn = fetcher._conn
+        assert conn is not None
+        params = [p.decode() for p in fetcher.params([], ["filled"], 10, me)]
+        marks = ", ".join(["%s"] * len(params))
+        cur = psycopg.ClientCursor(conn)
+        cur.execute(f"EXPLAIN (ANALYZE, BUFFERS) EXECUTE pgskip_ack_fetch({marks})", params)
+        plan = "\n".join(row[0] for row in cur.fetchall())
+        plans = conn.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+            " WHERE name = 'pgskip_ack_fetch'"
+        ).fetchone()
+        assert plans == (2, 0), plans  # the same generic plan
+        assert "actual time" in plan and "rows=10 loops=1" in plan, plan
+        assert not seq_scanned_rows(conn, plan), plan
+    finally:
+        fetcher.close()
 
 
 def _run_until(hub: Hub, done: object, timeout: float = 10.0) -> None:
