@@ -93,7 +93,7 @@ BEGIN
         RETURN;
     END IF;
     current := r.slot;
-    PERFORM set_config('lock_timeout', '100ms', true);
+    PERFORM set_config('lock_timeout', '20ms', true);
     -- Empty the slots behind the current one that hold nothing to keep.
     FOR k IN 1 .. r.slots LOOP
         CONTINUE WHEN k = r.slot;
