@@ -653,6 +653,26 @@ BEGIN
     END IF;
     current := r.slot;
     PERFORM set_config('lock_timeout', '20ms', true);
+    -- The slots behind the current one, oldest first: their completed messages move to
+    -- jobs_kept now, up to slot_rows per call, row by row, before any slot is locked. Those within a minute of the retention
+    -- stay, for prune() to delete (a prune with a shorter retention, or an expired queue's
+    -- deletion, that meets a message moved meanwhile fails with a serialization error and
+    -- deletes it on its next run).
+    FOR i IN 1 .. r.slots - 1 LOOP
+        k := (r.slot + i - 1) % r.slots + 1;
+        CONTINUE WHEN pg_relation_size(('jobs_' || k)::regclass) = 0;
+        WITH c AS (
+            SELECT id FROM jobs
+             WHERE slot = k AND status = 'completed'
+               AND finished_at > now() - r.completed_retention + interval '1 minute'
+             LIMIT r.slot_rows - moved
+               FOR UPDATE SKIP LOCKED
+        )
+        UPDATE jobs SET slot = 0 FROM c WHERE jobs.slot = k AND jobs.id = c.id;
+        GET DIAGNOSTICS n = ROW_COUNT;
+        moved := moved + n;
+        EXIT WHEN moved >= r.slot_rows;
+    END LOOP;
     -- Empty the slots behind the current one that hold nothing to keep.
     FOR k IN 1 .. r.slots LOOP
         CONTINUE WHEN k = r.slot;
@@ -674,26 +694,6 @@ BEGIN
             blocked := true;
             EXIT;
         END;
-    END LOOP;
-    -- The slots behind the current one, oldest first: their completed messages move to
-    -- jobs_kept now, up to slot_rows per call, row by row. Those within a minute of the retention
-    -- stay, for prune() to delete (a prune with a shorter retention, or an expired queue's
-    -- deletion, that meets a message moved meanwhile fails with a serialization error and
-    -- deletes it on its next run).
-    FOR i IN 1 .. r.slots - 1 LOOP
-        k := (r.slot + i - 1) % r.slots + 1;
-        CONTINUE WHEN pg_relation_size(('jobs_' || k)::regclass) = 0;
-        WITH c AS (
-            SELECT id FROM jobs
-             WHERE slot = k AND status = 'completed'
-               AND finished_at > now() - r.completed_retention + interval '1 minute'
-             LIMIT r.slot_rows - moved
-               FOR UPDATE SKIP LOCKED
-        )
-        UPDATE jobs SET slot = 0 FROM c WHERE jobs.slot = k AND jobs.id = c.id;
-        GET DIAGNOSTICS n = ROW_COUNT;
-        moved := moved + n;
-        EXIT WHEN moved >= r.slot_rows;
     END LOOP;
     -- Move the ring on, to the first slot after the current one that is empty or holds at most
     -- 2 * slot_rows messages to keep (those are moved to jobs_kept first).
