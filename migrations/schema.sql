@@ -654,10 +654,10 @@ BEGIN
     current := r.slot;
     PERFORM set_config('lock_timeout', '20ms', true);
     -- The slots behind the current one, oldest first: their completed messages move to
-    -- jobs_kept now, up to slot_rows per call, row by row, before any slot is locked. Those within a minute of the retention
-    -- stay, for prune() to delete (a prune with a shorter retention, or an expired queue's
-    -- deletion, that meets a message moved meanwhile fails with a serialization error and
-    -- deletes it on its next run).
+    -- jobs_kept now, up to slot_rows per call, row by row, before any slot is locked. Those
+    -- within a minute of the retention stay, for prune() to delete (a prune with a shorter
+    -- retention, or an expired queue's deletion, that meets a message moved meanwhile fails
+    -- with a serialization error and deletes it on its next run).
     FOR i IN 1 .. r.slots - 1 LOOP
         k := (r.slot + i - 1) % r.slots + 1;
         CONTINUE WHEN pg_relation_size(('jobs_' || k)::regclass) = 0;
