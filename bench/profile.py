@@ -63,6 +63,18 @@
    between, as for a task that arrives at an idle worker) or not at all (*busy*). Medians of 5
    alternating rounds of 200 after 20.
 
+9. From a commit to an idle consumer's rows (``--notified-fetch`` runs only this): one
+   process publishes a durable message through kombu every ``gap`` (20 ms, as the latency
+   benchmark), another waits on the transport's LISTEN connection (``Poller``) as an idle
+   worker does and, on each notification, sends one statement on a connection of its own
+   before the fetch that takes the message: ``SELECT 1`` (the round trip to a backend that
+   was idle), ``ack_fetch`` of a queue that holds nothing on ``jobs`` and on ``jobs_kept``
+   alone (what the statement costs before it takes anything, with and without the ring's
+   partitions), or, for ``fetch``, the transport's fetch itself; ``fetch_on_listener`` sends
+   that fetch on the LISTEN connection, one backend for both. Times from the publish's
+   return to the notification and to that statement's answer, p50 over 200 messages; medians
+   of 3 alternating rounds.
+
 It runs its own EmbeddedPostgres (fsync on) with ``pg_stat_statements`` preloaded.
 """
 
@@ -361,6 +373,132 @@ def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str
             fetcher.close()
     out: dict[str, Any] = {"rounds": rounds, "calls": calls, "idle_gap_s": 0.01}
     out.update(_round_medians(samples, ("wall_us_p50", "server_cpu_us")))
+    return out
+
+
+_NOTIFIED_PUBLISHER = """
+import json, sys, time
+from kombu import Connection, Exchange, Queue
+url, n, gap = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+returned = []
+with Connection(url) as conn:
+    queue = Queue("notified", Exchange("notified", type="direct"), routing_key="notified")
+    producer = conn.Producer()
+    producer.publish({}, exchange=queue.exchange, routing_key="notified", declare=[queue])
+    time.sleep(1.0)
+    for i in range(n):
+        producer.publish({"i": i}, exchange=queue.exchange, routing_key="notified")
+        returned.append(time.time())
+        time.sleep(gap)
+json.dump(returned, sys.stdout)
+"""
+
+NOTIFIED_ARMS = (
+    "select_1",
+    "fetch_empty_jobs",
+    "fetch_empty_jobs_kept",
+    "fetch",
+    "fetch_on_listener",
+)
+
+
+def _notified_round(
+    broker: Broker, url: str, arm: str, *, samples: int, gap: float
+) -> dict[str, float]:
+    """One round of part 9: p50s in microseconds after the publish returned."""
+    import select
+    import sys
+    import uuid
+
+    from kombu_pgskip.fetcher import AsyncFetcher
+    from kombu_pgskip.poller import Poller, Ready
+
+    consumer = uuid.uuid4()
+    fetcher = AsyncFetcher(url, schema="pgskip", asynchronous_commit=True, connect_timeout=10)
+    probe = AsyncFetcher(url, schema="pgskip", asynchronous_commit=True, connect_timeout=10)
+    if arm == "fetch_empty_jobs_kept":
+        probe._query = one_partition(probe._query)
+    poller = Poller(url, schema="pgskip", listen=True, connect_timeout=10)
+    publisher: subprocess.Popen[bytes] | None = None
+    try:
+        fetcher.fileno(), probe.fileno()  # connect and prepare
+        if arm == "fetch_on_listener":
+            from psycopg import sql
+
+            assert fetcher._conn is not None
+            for channel in poller._channels:
+                fetcher._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            poller._listener = fetcher._conn
+        poller.ensure_listener()
+        publisher = subprocess.Popen(
+            [sys.executable, "-c", _NOTIFIED_PUBLISHER, broker.url or "", str(samples), str(gap)],
+            stdout=subprocess.PIPE,
+        )
+        notified: list[float] = []
+        answered: list[float] = []
+        tags: list[tuple[int, int]] = []
+        taken = 0
+        deadline = time.monotonic() + samples * gap + 60
+        while taken < samples + 1 and time.monotonic() < deadline:
+            poller.waiting = True
+            ready = poller.wait(1.0)
+            poller.waiting = False
+            if ready is not Ready.NOTIFIED or not poller.notifications().queues:
+                continue
+            t_notified = time.time()
+            if arm == "select_1":
+                assert probe._conn is not None
+                pgconn = probe._conn.pgconn
+                pgconn.send_query(b"SELECT 1")
+                while True:
+                    select.select([pgconn.socket], [], [], 5.0)
+                    pgconn.consume_input()
+                    if not pgconn.is_busy():
+                        break
+                while pgconn.get_result() is not None:
+                    pass
+            elif arm.startswith("fetch_empty"):
+                probe.send([], ["notified.nothing"], 4, consumer)
+                probe.wait()
+            t_answered = time.time()
+            fetcher.send(tags, ["notified"], 4, consumer)
+            result = fetcher.wait()
+            assert result is not None
+            if arm.startswith("fetch_on") or arm == "fetch":
+                t_answered = time.time()
+            tags = [row.tag for row in result[1]]
+            for _ in result[1]:
+                notified.append(t_notified)
+                answered.append(t_answered)
+            taken += len(result[1])
+        out, _ = publisher.communicate(timeout=60)
+        returned = json.loads(out)
+    finally:
+        if publisher is not None and publisher.poll() is None:
+            publisher.kill()
+        fetcher.close()
+        probe.close()
+        poller.close()
+    # the first message taken is the one published with the queue's declaration
+    pairs = list(zip(returned, notified[1:], answered[1:], strict=False))
+    return {
+        "notified_us_p50": 1e6 * (median([n - r for r, n, _ in pairs]) or 0.0),
+        "answered_us_p50": 1e6 * (median([a - r for r, _, a in pairs]) or 0.0),
+    }
+
+
+def notified_fetch(
+    broker: Broker, url: str, *, rounds: int = 3, samples: int = 200, gap: float = 0.02
+) -> dict[str, Any]:
+    """Part 9 above."""
+    samples_by_arm: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    for r in range(rounds):
+        for arm in NOTIFIED_ARMS if r % 2 == 0 else NOTIFIED_ARMS[::-1]:
+            got = _notified_round(broker, url, arm, samples=samples, gap=gap)
+            log(f"notified fetch, {arm}: {got}")
+            samples_by_arm[arm].append((got["notified_us_p50"], got["answered_us_p50"]))
+    out: dict[str, Any] = {"rounds": rounds, "samples": samples, "gap_s": gap}
+    out.update(_round_medians(samples_by_arm, ("notified_us_p50", "answered_us_p50")))
     return out
 
 
@@ -733,6 +871,11 @@ def main(argv: list[str] | None = None) -> int:
         help="only what the partitions of jobs cost a fetch (part 8)",
     )
     parser.add_argument(
+        "--notified-fetch",
+        action="store_true",
+        help="only from a commit to an idle consumer's rows (part 9)",
+    )
+    parser.add_argument(
         "--e2e-cpu", action="store_true", help="only end-to-end CPU and fetches per task (part 5)"
     )
     parser.add_argument(
@@ -798,6 +941,7 @@ def main(argv: list[str] | None = None) -> int:
             args.publish_cpu
             or args.fetch_plans
             or args.fetch_partitions
+            or args.notified_fetch
             or args.e2e_cpu
             or args.blocking
             or args.fleet
@@ -811,6 +955,8 @@ def main(argv: list[str] | None = None) -> int:
                 report["fetch_plans"] = fetch_plans(url)
             if args.fetch_partitions:
                 report["fetch_partitions"] = fetch_partitions(url)
+            if args.notified_fetch:
+                report["notified_fetch"] = notified_fetch(broker, url)
             if args.e2e_cpu:
                 report["e2e_cpu"] = e2e_cpu(
                     broker, conn, workers=args.e2e_workers, cooldowns=args.e2e_cooldowns
