@@ -25,7 +25,7 @@ statements are :mod:`~kombu_pgskip.poller`'s and :mod:`~kombu_pgskip.dispatch`'s
   cheapest one the channel has seen, and ``FULL_SCAN_EXCESS`` more at least, fetches scan each queue
   after the last message they took there instead; a scan from the beginning, which finds what
   became due behind those positions, goes out only once ``FULL_SCAN_SPACING`` times its
-  duration has passed, so that such scans take at most a fifth of the time. A channel never
+  duration has passed, so that such scans take at most a twentieth of the time. A channel never
   goes idle on a scan from its positions that came back short: one from the beginning follows,
   when due.
 * **Limited queues** (``pgskip limit``) are fetched one by one, each by a statement of its own
@@ -64,8 +64,12 @@ ACK_FLUSH_DELAY = 0.005
 #: A channel scans its queues from the beginning again once this many times the duration of its
 #: last such scan has passed since it ended, and in between from where its last fetch of each
 #: queue stopped: scans from the beginning take at most 1 / (1 + FULL_SCAN_SPACING) of the time,
-#: and a message due behind the positions waits at most that long.
-FULL_SCAN_SPACING = 4.0
+#: and a message due behind the positions waits at most that long. A channel has one fetch in
+#: flight at a time, so while such a scan walks the dead entries a held snapshot keeps, no
+#: message reaches the worker: the share of the time these scans take is about the share of the
+#: drain rate they cost (docs/performance.md, "Held snapshots and table size"). Twenty of them
+#: come to a few seconds after minutes of a held snapshot.
+FULL_SCAN_SPACING = 19.0
 
 #: Seconds early a timer set for a scan from the beginning may fire and still send one.
 FULL_SCAN_EARLY = 0.001
