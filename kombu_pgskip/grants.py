@@ -58,7 +58,7 @@ WORKER_PRIVILEGES: tuple[Privilege, ...] = (
     # rotate(): the ring of jobs' slots moves on, and a slot that holds nothing to keep is
     # emptied with TRUNCATE, no more than the DELETE above allows (migration 0027).
     ("jobs_rotation", "SELECT", ()),
-    ("jobs_rotation", "UPDATE", ("slot", "first_id", "since")),
+    ("jobs_rotation", "UPDATE", ("slot", "first_id", "since", "blocked_since")),
     *((f"jobs_{k}", "TRUNCATE", ()) for k in range(1, JOB_SLOTS + 1)),
 )
 #: The columns a publish writes: a publisher cannot insert a message already running under a

@@ -40,9 +40,21 @@
 -- lock_timeout, every fetch waits behind it, and a session that holds one slot (a pg_dump)
 -- holds them all, so that trying each slot would hold up fetches that long for every slot
 -- the ring could empty, at every call.
+-- And while such a session holds them, a call does nothing but try one lock: once a lock was
+-- refused (jobs_rotation.blocked_since), the next call first tries to lock one slot that holds
+-- rows, and releases the lock at once; while that is refused it moves no completed message
+-- and checks no slot for what it keeps, and the ring moves on only to an empty next slot. Those
+-- moves and checks walk every row version the session's snapshot keeps, a quarter of a core
+-- of the server at a call a second through a pg_dump, for moves that leave dead versions
+-- behind and slots that cannot be emptied until it ends.
 
 SELECT pg_catalog.set_config(
     'search_path', pg_catalog.format('%I, pg_catalog, pg_temp', pg_catalog.current_schema()), true);
+
+ALTER TABLE jobs_rotation ADD COLUMN blocked_since timestamptz;
+COMMENT ON COLUMN jobs_rotation.blocked_since IS
+    'since when rotate() has found the slots it must lock held by another session (NULL: it '
+    'has not); meanwhile each call only tries one lock';
 
 -- rotation_keeps: as migration 0027 made it, with completed messages probed first: a slot of
 -- messages that ran, within the retention, is what rotate() meets in every slot but the current
@@ -98,12 +110,29 @@ BEGIN
     END IF;
     current := r.slot;
     PERFORM set_config('lock_timeout', '20ms', true);
+    -- A lock was refused last time: first try to lock one slot that holds rows (the lock goes
+    -- with the subtransaction). While it is refused, nothing below locks, moves or checks a
+    -- slot.
+    IF r.blocked_since IS NOT NULL THEN
+        FOR k IN 1 .. r.slots LOOP
+            CONTINUE WHEN k = r.slot OR pg_relation_size(('jobs_' || k)::regclass) = 0;
+            BEGIN
+                EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', 'jobs_' || k);
+                RAISE EXCEPTION USING ERRCODE = 'PGSK0';
+            EXCEPTION
+                WHEN lock_not_available THEN blocked := true;
+                WHEN SQLSTATE 'PGSK0' THEN NULL;
+            END;
+            EXIT;
+        END LOOP;
+    END IF;
     -- The slots behind the current one, oldest first: their completed messages move to
     -- jobs_kept now, up to slot_rows per call, row by row, before any slot is locked. Those
     -- within a minute of the retention stay, for prune() to delete (a prune with a shorter
     -- retention, or an expired queue's deletion, that meets a message moved meanwhile fails
     -- with a serialization error and deletes it on its next run).
     FOR i IN 1 .. r.slots - 1 LOOP
+        EXIT WHEN blocked;
         k := (r.slot + i - 1) % r.slots + 1;
         CONTINUE WHEN pg_relation_size(('jobs_' || k)::regclass) = 0;
         WITH c AS (
@@ -120,6 +149,7 @@ BEGIN
     END LOOP;
     -- Empty the slots behind the current one that hold nothing to keep.
     FOR k IN 1 .. r.slots LOOP
+        EXIT WHEN blocked;
         CONTINUE WHEN k = r.slot;
         part := 'jobs_' || k;
         CONTINUE WHEN pg_relation_size(part::regclass) = 0;
@@ -141,16 +171,16 @@ BEGIN
         END;
     END LOOP;
     -- Move the ring on, to the first slot after the current one that is empty or holds at most
-    -- 2 * slot_rows messages to keep (those are moved to jobs_kept first).
+    -- 2 * slot_rows messages to keep (those are moved to jobs_kept first); when a lock was
+    -- refused this call, only to the next slot, if it is empty.
     SELECT max(id) INTO last FROM jobs WHERE slot = r.slot;
     IF last - r.first_id + 1 >= r.slot_rows THEN
         FOR i IN 1 .. r.slots - 1 LOOP
             k := (r.slot + i - 1) % r.slots + 1;
             part := 'jobs_' || k;
+            EXIT WHEN blocked AND pg_relation_size(part::regclass) > 0;
             CONTINUE WHEN pg_relation_size(part::regclass) > 0
                 AND rotation_keeps_more(k::smallint, r.completed_retention, 2 * r.slot_rows);
-            -- A slot to lock, when a lock was refused this call: next time.
-            EXIT WHEN blocked AND pg_relation_size(part::regclass) > 0;
             BEGIN
                 IF pg_relation_size(part::regclass) > 0 THEN
                     EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);
@@ -175,10 +205,13 @@ BEGIN
                 UPDATE jobs_rotation SET slot = k, first_id = last + 1, since = now();
                 current := k;
             EXCEPTION WHEN lock_not_available THEN
-                NULL;  -- next time
+                blocked := true;  -- next time
             END;
             EXIT;
         END LOOP;
+    END IF;
+    IF blocked <> (r.blocked_since IS NOT NULL) THEN
+        UPDATE jobs_rotation SET blocked_since = CASE WHEN blocked THEN now() END;
     END IF;
 END
 $$;
@@ -195,6 +228,7 @@ BEGIN
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION rotation_keeps_more(smallint, interval, bigint)'
                        ' TO %s', g.who);
+        EXECUTE format('GRANT UPDATE (blocked_since) ON jobs_rotation TO %s', g.who);
     END LOOP;
 END
 $$;

@@ -653,12 +653,29 @@ BEGIN
     END IF;
     current := r.slot;
     PERFORM set_config('lock_timeout', '20ms', true);
+    -- A lock was refused last time: first try to lock one slot that holds rows (the lock goes
+    -- with the subtransaction). While it is refused, nothing below locks, moves or checks a
+    -- slot.
+    IF r.blocked_since IS NOT NULL THEN
+        FOR k IN 1 .. r.slots LOOP
+            CONTINUE WHEN k = r.slot OR pg_relation_size(('jobs_' || k)::regclass) = 0;
+            BEGIN
+                EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', 'jobs_' || k);
+                RAISE EXCEPTION USING ERRCODE = 'PGSK0';
+            EXCEPTION
+                WHEN lock_not_available THEN blocked := true;
+                WHEN SQLSTATE 'PGSK0' THEN NULL;
+            END;
+            EXIT;
+        END LOOP;
+    END IF;
     -- The slots behind the current one, oldest first: their completed messages move to
     -- jobs_kept now, up to slot_rows per call, row by row, before any slot is locked. Those
     -- within a minute of the retention stay, for prune() to delete (a prune with a shorter
     -- retention, or an expired queue's deletion, that meets a message moved meanwhile fails
     -- with a serialization error and deletes it on its next run).
     FOR i IN 1 .. r.slots - 1 LOOP
+        EXIT WHEN blocked;
         k := (r.slot + i - 1) % r.slots + 1;
         CONTINUE WHEN pg_relation_size(('jobs_' || k)::regclass) = 0;
         WITH c AS (
@@ -675,6 +692,7 @@ BEGIN
     END LOOP;
     -- Empty the slots behind the current one that hold nothing to keep.
     FOR k IN 1 .. r.slots LOOP
+        EXIT WHEN blocked;
         CONTINUE WHEN k = r.slot;
         part := 'jobs_' || k;
         CONTINUE WHEN pg_relation_size(part::regclass) = 0;
@@ -696,16 +714,16 @@ BEGIN
         END;
     END LOOP;
     -- Move the ring on, to the first slot after the current one that is empty or holds at most
-    -- 2 * slot_rows messages to keep (those are moved to jobs_kept first).
+    -- 2 * slot_rows messages to keep (those are moved to jobs_kept first); when a lock was
+    -- refused this call, only to the next slot, if it is empty.
     SELECT max(id) INTO last FROM jobs WHERE slot = r.slot;
     IF last - r.first_id + 1 >= r.slot_rows THEN
         FOR i IN 1 .. r.slots - 1 LOOP
             k := (r.slot + i - 1) % r.slots + 1;
             part := 'jobs_' || k;
+            EXIT WHEN blocked AND pg_relation_size(part::regclass) > 0;
             CONTINUE WHEN pg_relation_size(part::regclass) > 0
                 AND rotation_keeps_more(k::smallint, r.completed_retention, 2 * r.slot_rows);
-            -- A slot to lock, when a lock was refused this call: next time.
-            EXIT WHEN blocked AND pg_relation_size(part::regclass) > 0;
             BEGIN
                 IF pg_relation_size(part::regclass) > 0 THEN
                     EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);
@@ -730,10 +748,13 @@ BEGIN
                 UPDATE jobs_rotation SET slot = k, first_id = last + 1, since = now();
                 current := k;
             EXCEPTION WHEN lock_not_available THEN
-                NULL;  -- next time
+                blocked := true;  -- next time
             END;
             EXIT;
         END LOOP;
+    END IF;
+    IF blocked <> (r.blocked_since IS NOT NULL) THEN
+        UPDATE jobs_rotation SET blocked_since = CASE WHEN blocked THEN now() END;
     END IF;
 END
 $$;
@@ -1277,6 +1298,7 @@ CREATE TABLE pgskip.jobs_rotation (
     first_id bigint NOT NULL,
     since timestamp with time zone DEFAULT now() NOT NULL,
     completed_retention interval DEFAULT '1 day'::interval NOT NULL,
+    blocked_since timestamp with time zone,
     CONSTRAINT jobs_rotation_check CHECK (((slot >= 1) AND (slot <= slots))),
     CONSTRAINT jobs_rotation_only_row_check CHECK (only_row),
     CONSTRAINT jobs_rotation_slot_rows_check CHECK ((slot_rows > 0)),
@@ -1318,6 +1340,12 @@ COMMENT ON COLUMN pgskip.jobs_rotation.first_id IS 'the first id given out in th
 --
 
 COMMENT ON COLUMN pgskip.jobs_rotation.completed_retention IS 'a slot whose completed messages are younger than this is not emptied before it is needed (pgskip maintenance writes its completed_retention here)';
+
+--
+-- Name: COLUMN jobs_rotation.blocked_since; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.jobs_rotation.blocked_since IS 'since when rotate() has found the slots it must lock held by another session (NULL: it has not); meanwhile each call only tries one lock';
 
 --
 -- Name: migrations; Type: TABLE; Schema: pgskip; Owner: -

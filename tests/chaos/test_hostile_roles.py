@@ -1011,6 +1011,9 @@ def _granted_before(
                 continue
             if version <= 28 and "rotation_keeps_more" in text:
                 continue
+            if version <= 28 and ', "blocked_since")' in text:
+                text = text.replace(', "blocked_since")', ")")
+                g = Grant(g.role, g.what, sql.Composed([sql.SQL(text)]))
             if version <= 27 and ', "slot")' in text:
                 text = text.replace(', "slot")', ")")
                 g = Grant(g.role, g.what, sql.Composed([sql.SQL(text)]))
@@ -1139,7 +1142,8 @@ def test_migration_0026_claims_keys_for_roles_granted_before_it_and_grants_them_
 
 def test_the_ring_of_slots_is_moved_on_by_workers_never_by_publishers(tidy: Deployment) -> None:
     """rotate() empties slots with TRUNCATE: a worker may run it (it may delete messages
-    anyway), and change nothing of the ring but where it stands; a publisher may only read
+    anyway), and change nothing of the ring but where it stands and whether its locks were
+    refused (a false claim costs the next rotation one lock try); a publisher may only read
     which slot is current, and write it with each message."""
     with psycopg.connect(tidy.url("owner"), autocommit=True) as conn:
         conn.execute("UPDATE pgskip.jobs_rotation SET slot_rows = 1, completed_retention = '0 s'")
@@ -1149,6 +1153,7 @@ def test_the_ring_of_slots_is_moved_on_by_workers_never_by_publishers(tidy: Depl
             "TRUNCATE pgskip.jobs_1",
             "TRUNCATE pgskip.jobs_kept",
             "UPDATE pgskip.jobs_rotation SET slot = 2",
+            "UPDATE pgskip.jobs_rotation SET blocked_since = now()",
             "SELECT count(*) FROM pgskip.jobs_1",
             "DELETE FROM pgskip.jobs_kept",
         ):
@@ -1157,6 +1162,7 @@ def test_the_ring_of_slots_is_moved_on_by_workers_never_by_publishers(tidy: Depl
         for statement in (
             "UPDATE pgskip.jobs_rotation SET slot_rows = 100000000",
             "UPDATE pgskip.jobs_rotation SET completed_retention = '100 years'",
+            "UPDATE pgskip.jobs_rotation SET slots = 2",
             "TRUNCATE pgskip.jobs_kept",
             "TRUNCATE pgskip.jobs",
             "ALTER TABLE pgskip.jobs DETACH PARTITION pgskip.jobs_1",
@@ -1169,7 +1175,12 @@ def test_the_ring_of_slots_is_moved_on_by_workers_never_by_publishers(tidy: Depl
         before = worker.rotate()[2]
         assert worker.rotate()[2] == before  # the slot's one message is not finished
         publisher.publish(NewMessage("q", 0, "pending", None, "{}", "t", "2", None))
-        assert worker.rotate()[2] != before
+        with psycopg.connect(tidy.url("worker"), autocommit=True) as conn:
+            conn.execute("UPDATE pgskip.jobs_rotation SET blocked_since = now()")
+        assert worker.rotate()[2] != before  # its one lock try granted, it went on
+        with psycopg.connect(tidy.url("worker"), autocommit=True) as conn:
+            row = conn.execute("SELECT blocked_since FROM pgskip.jobs_rotation").fetchone()
+        assert row == (None,)
     finally:
         publisher.close()
         worker.close()
@@ -1203,9 +1214,10 @@ def test_migration_0027_lets_roles_granted_before_it_publish_and_rotate(
 def test_migration_0028_lets_workers_granted_before_it_move_the_ring_onto_a_used_slot(
     any_pg_server: PgServer, versioned_empty_db_url: str, tmp_path: Any
 ) -> None:
-    """rotate() counts what a slot keeps through a function of migration 0028: a worker role
-    granted by an older `pgskip grant` may call it, and moves the ring onto a slot that still
-    holds a message; a publisher may not."""
+    """rotate() counts what a slot keeps through a function of migration 0028, and writes when
+    a session held the slot it had to lock: a worker role granted by an older `pgskip grant`
+    may do both, and moves the ring onto a slot that still holds a message; a publisher may
+    not."""
     db_url = versioned_empty_db_url
     with _granted_before(any_pg_server, db_url, tmp_path, 28) as (worker, publisher):
         with psycopg.connect(db_url, autocommit=True) as conn:
@@ -1220,6 +1232,15 @@ def test_migration_0028_lets_workers_granted_before_it_move_the_ring_onto_a_used
             consumer = uuid.uuid4()
             store.register_consumer(consumer, hostname="w", queues=["q"], lease=30)
             assert [r.id for r in store.fetch(["q"], 1, consumer)] == [kept]
+            # While a session holds every slot, the worker writes that its lock was refused.
+            assert sender.publish(NewMessage("q", 0, "pending", None, "{}", "t", "3", None))
+            with psycopg.connect(db_url) as reader:
+                reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                reader.execute("SELECT count(*) FROM pgskip.jobs")
+                assert store.rotate() == (0, 0, 1)
+                assert store.rotate() == (0, 0, 1)
+                reader.rollback()
+            assert store.rotate() == (1, 1, 2)  # slot 2's waiting message moved, slot 2 taken
         finally:
             sender.close()
             store.close()

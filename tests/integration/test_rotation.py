@@ -327,6 +327,14 @@ def _where(db_url: str, ids: list[int]) -> dict[int, int]:
     return {int(r[0]): int(r[1]) for r in rows}
 
 
+def _blocked(db_url: str) -> bool:
+    """Whether rotate() found a slot it had to lock held by another session, last time."""
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute("SELECT blocked_since IS NOT NULL FROM pgskip.jobs_rotation").fetchone()
+    assert row is not None
+    return bool(row[0])
+
+
 def _statuses(db_url: str, ids: list[int]) -> dict[str, int]:
     """Messages per status among ``ids``."""
     with psycopg.connect(db_url) as conn:
@@ -377,22 +385,59 @@ def test_completed_messages_of_a_slot_passed_over_move_without_its_lock(
     store: Store, db_url: str
 ) -> None:
     """A slot passed over with a day of completed messages is not left for a day: each call
-    moves slot_rows of them to jobs_kept, a transaction that reads the slot (and holds it
-    against the lock rotate() needs to take it) notwithstanding; then the slot is emptied and
-    taken with nothing left to move."""
+    moves slot_rows of them to jobs_kept without its lock; then the slot is emptied and taken
+    with what is left. While a transaction reads the slot (and holds it against the lock
+    rotate() needs to take it), the calls after the one it refused only try that lock: moves
+    made meanwhile could not be emptied until it ends."""
     overfilled = _overfilled_slot_1(store, db_url, slots=2, finished=True)
     _publish(store, 5)
     with psycopg.connect(db_url) as reader:
         reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
         reader.execute("SELECT count(*) FROM pgskip.jobs_1")
-        assert store.rotate() == (0, 5, 2)  # six to keep: taken, but not while it is read
-        assert store.rotate() == (0, 5, 2)
-        assert store.rotate() == (0, 1, 2)
+        assert store.rotate() == (0, 5, 2)  # six left to keep: taken, but not while it is read
+        assert _blocked(db_url)
         assert store.rotate() == (0, 0, 2)
+        assert store.rotate() == (0, 0, 2)
+        assert _where(db_url, overfilled) == {0: 5, 1: 6}
         reader.rollback()
-    assert store.rotate() == (1, 0, 1)
+    assert store.rotate() == (1, 6, 1)  # five moved without the lock, the sixth under it
+    assert not _blocked(db_url)
     assert _where(db_url, overfilled) == {0: 11}
     assert _statuses(db_url, overfilled) == {"completed": 11}
+
+
+def test_while_every_slot_is_held_a_rotation_only_tries_one_lock(store: Store, db_url: str) -> None:
+    """A session that read jobs (a pg_dump, a report) holds every slot: once a lock was
+    refused, each call tries one lock, moves no completed message and checks no slot for what
+    it keeps, and the ring moves on only to the next slot, if empty; once the session ends,
+    the next call does what was left."""
+    _ring(db_url, slot_rows=2, slots=3, retention="1 hour")
+    me = _consumer(store)
+
+    def ran() -> list[int]:
+        ids = _publish(store, 2)
+        rows = store.fetch(["q"], 2, me)
+        assert store.ack([r.tag for r in rows], me) == 2
+        return ids
+
+    ran()
+    assert store.rotate() == (0, 0, 2)
+    ran()
+    assert store.rotate() == (1, 2, 3)  # slot 1's two moved to jobs_kept, slot 1 emptied
+    with psycopg.connect(db_url) as reader:
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM pgskip.jobs")
+        assert store.rotate() == (0, 2, 3)  # slot 2's two moved; its lock refused
+        assert _blocked(db_url)
+        behind = ran()
+        assert store.rotate() == (0, 0, 1)  # slot 1 is empty: taken
+        ran()
+        assert store.rotate() == (0, 0, 1)  # no empty slot: the ring stays
+        assert _where(db_url, behind) == {3: 2}  # not moved while the locks are refused
+        reader.rollback()
+    assert store.rotate() == (2, 2, 2)  # slot 3's two moved; slots 2 and 3 emptied
+    assert not _blocked(db_url)
+    assert _where(db_url, behind) == {0: 2}
 
 
 def test_completed_messages_about_to_pass_the_retention_stay_for_pruning(
