@@ -33,6 +33,14 @@ Run (a throwaway embedded PostgreSQL unless ``--url`` is given; 7 to 9 minutes b
     python -m bench.held_drain --url postgresql://postgres@host/db
     python -m bench.held_drain --slots 2 --after 90   # a ring of 2 of the schema's 8 slots
 
+With ``--sessions`` it also says where the worker's database time goes, for the last
+``hold_last`` seconds of each of before and the hold and the first window after the release:
+what each of the worker's sessions was doing (``pg_stat_activity`` read every 10 ms: running,
+idle, or waiting, and on what), each named after the statement it ran most when busy (``WITH``:
+the fetch, ``ack_fetch``; ``SELECT``: the housekeeping, ``rotate()`` and ``sweep()``)::
+
+    python -m bench.held_drain --warmup 30 --before 60 --hold 150 --after 30 --sessions
+
 The test ``tests/chaos/test_held_drain.py`` runs it for about 40 seconds.
 Prints figures; asserts nothing.
 """
@@ -156,6 +164,83 @@ class Feeder(threading.Thread):
             self.error = exc
 
 
+#: Seconds between two reads of what the worker's sessions are doing (``--sessions``).
+SESSION_SAMPLE_S = 0.01
+WORKER_APP = "kombu-pgskip"  # the application_name of the transport's sessions
+SESSIONS = """
+SELECT extract(epoch FROM clock_timestamp())::float8, pid,
+       CASE WHEN state LIKE 'idle%%' THEN 'idle'
+            WHEN wait_event_type IS NOT NULL THEN wait_event_type || ':' || wait_event
+            ELSE 'running' END,
+       split_part(ltrim(query), ' ', 1)
+  FROM pg_stat_activity
+ WHERE datname = current_database() AND application_name = %(app)s
+"""
+
+
+class SessionSampler(threading.Thread):
+    """``--sessions``: what each of the worker's sessions is doing, every ``SESSION_SAMPLE_S``
+    (on the database's clock)."""
+
+    def __init__(self, url: str):
+        super().__init__(name="held-drain-sessions", daemon=True)
+        self.url = url
+        self.stop_event = threading.Event()
+        # (time, pid, what it was doing, the first word of its statement)
+        self.samples: list[tuple[float, int, str, str]] = []
+        self.ticks: list[float] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with psycopg.connect(
+                self.url, autocommit=True, application_name="held-drain-sessions"
+            ) as conn:
+                while not self.stop_event.is_set():
+                    rows = conn.execute(SESSIONS, {"app": WORKER_APP}).fetchall()
+                    if rows:
+                        self.ticks.append(float(rows[0][0]))
+                    self.samples.extend((float(t), int(p), str(w), str(q)) for t, p, w, q in rows)
+                    self.stop_event.wait(SESSION_SAMPLE_S)
+        except BaseException as exc:  # reported by the caller
+            self.error = exc
+
+    def sessions(self, phase: str, start: float, end: float) -> list[SessionFigures]:
+        """Each session busy in [start, end): the share of the samples it was not idle, by what
+        it was doing, named after the statement it ran most when busy."""
+        ticks = sum(1 for t in self.ticks if start <= t < end)
+        doing: dict[int, dict[str, int]] = {}
+        ran: dict[int, dict[str, int]] = {}
+        for t, pid, what, query in self.samples:
+            if start <= t < end and what != "idle":
+                doing.setdefault(pid, {})[what] = doing.setdefault(pid, {}).get(what, 0) + 1
+                ran.setdefault(pid, {})[query] = ran.setdefault(pid, {}).get(query, 0) + 1
+        out = []
+        for pid, by in doing.items():
+            busy = sum(by.values())
+            if not ticks or busy < ticks * 0.005:
+                continue
+            out.append(
+                SessionFigures(
+                    phase=phase,
+                    pid=pid,
+                    statement=max(ran[pid], key=lambda q: ran[pid][q]),
+                    busy=busy / ticks,
+                    by={w: n / ticks for w, n in sorted(by.items(), key=lambda kv: -kv[1])},
+                )
+            )
+        return sorted(out, key=lambda f: -f.busy)
+
+
+@dataclass
+class SessionFigures:
+    phase: str
+    pid: int
+    statement: str  # the first word of the statement it ran most when busy
+    busy: float  # the share of the samples it was not idle
+    by: dict[str, float]  # that share by what it was doing: running, or a wait event
+
+
 @dataclass
 class PhaseFigures:
     name: str
@@ -197,6 +282,9 @@ class DrainResult:
     sampled_completed: int = 0  # completions the per-second series counted
     min_backlog: int | None = None  # smallest backlog the feeder saw before a top-up
     per_second: list[tuple[int, int]] = field(default_factory=list)  # (s since before, count)
+    # --sessions: before (its last hold_last s), hold (its last hold_last s), after (its first
+    # window)
+    sessions: list[SessionFigures] = field(default_factory=list)
 
     def phase(self, name: str) -> PhaseFigures:
         return next(p for p in self.phases if p.name == name)
@@ -243,6 +331,15 @@ class DrainResult:
             + ", ".join(f"{k} {v:,}" for k, v in sorted(self.by_status.items()))
             + f"; smallest backlog before a top-up: {self.min_backlog}",
         ]
+        if self.sessions:
+            lines += [
+                "",
+                "| phase | worker session (its statement) | busy | doing |",
+                "|---|---|---|---|",
+            ]
+            for f in self.sessions:
+                doing = ", ".join(f"{w} {v:.1%}" for w, v in list(f.by.items())[:5])
+                lines.append(f"| {f.phase} | {f.pid} ({f.statement}) | {f.busy:.1%} | {doing} |")
         return "\n".join(lines)
 
 
@@ -280,9 +377,11 @@ def run(
     window: int = 10,
     hold_last: int = 60,
     start_timeout: float = 60.0,
+    sessions: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> DrainResult:
-    """Run the phases against the migrated database ``db_url`` and return the figures."""
+    """Run the phases against the migrated database ``db_url`` and return the figures;
+    ``sessions``: with where the worker's database time goes (``--sessions``)."""
     say = log or (lambda msg: None)
     broker_url = db_url.replace("postgresql://", "pgskip://", 1)
     queue = f"drain.{uuid.uuid4().hex[:8]}"
@@ -308,6 +407,9 @@ def run(
             spans[name] = (start, max(start, min(end, math.floor(now))))
             sizes[name] = _sizes(conn)
 
+        sampler = SessionSampler(db_url) if sessions else None
+        if sampler is not None:
+            sampler.start()
         feeder.start()
         try:
             with noop_worker(broker_url, queue):
@@ -333,8 +435,13 @@ def run(
         finally:
             feeder.stop_event.set()
             feeder.join(timeout=30)
+            if sampler is not None:
+                sampler.stop_event.set()
+                sampler.join(timeout=30)
         if feeder.error is not None:
             raise RuntimeError(f"the feeder failed: {feeder.error}") from feeder.error
+        if sampler is not None and sampler.error is not None:
+            raise RuntimeError(f"the session sampler failed: {sampler.error}") from sampler.error
         result.by_status = {
             str(s): int(n)
             for s, n in conn.execute(
@@ -388,6 +495,14 @@ def run(
     result.back_to_95_at = next((w.start for w in after_windows if w.ratio >= 0.95), None)
     result.back_to_100_at = next((w.start for w in after_windows if w.ratio >= 1.0), None)
     result.lowest_after = min(after_windows, key=lambda w: w.rate, default=None)
+    if sampler is not None:
+        a0 = spans["after"][0]
+        for name, (s0, s1) in (
+            ("before", (max(b0, b1 - hold_last), b1)),
+            ("hold", (last0, h1)),
+            ("after", (a0, a0 + window)),
+        ):
+            result.sessions += sampler.sessions(name, s0, s1)
     result.per_second = sorted((s - b0, n) for s, n in per_second.items())
     return result
 
@@ -409,6 +524,11 @@ def main(argv: list[str] | None = None) -> int:
         help="go round only the first N slots of jobs' ring (2 to the slots the schema has; "
         "the fetch still reads every partition)",
     )
+    parser.add_argument(
+        "--sessions",
+        action="store_true",
+        help="also say what the worker's sessions were doing, by phase",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
 
@@ -425,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             after=args.after,
             backlog=args.backlog,
             window=args.window,
+            sessions=args.sessions,
             log=log_to_stderr,
         )
 

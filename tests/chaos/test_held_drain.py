@@ -13,7 +13,16 @@ from bench.held_snapshot import HOLDER_APP
 
 def test_worker_drains_through_a_held_snapshot_and_loses_nothing(db_url: str) -> None:
     lines: list[str] = []
-    result = run(db_url, warmup=0, before=5, hold=10, after=5, backlog=10_000, log=lines.append)
+    result = run(
+        db_url,
+        warmup=0,
+        before=5,
+        hold=10,
+        after=5,
+        backlog=10_000,
+        sessions=True,
+        log=lines.append,
+    )
     print("\n" + result.table())
     assert [p.name for p in result.phases] == ["before", "hold", "after"]
     for p in result.phases:
@@ -25,6 +34,11 @@ def test_worker_drains_through_a_held_snapshot_and_loses_nothing(db_url: str) ->
     assert sum(result.by_status.values()) == result.published
     # The per-second series counted every completion once.
     assert result.sampled_completed == result.by_status["completed"]
+    # Where the worker's database time went: its fetch (ack_fetch, a WITH statement) was busy
+    # in every phase.
+    fetching = {f.phase for f in result.sessions if f.statement == "WITH"}
+    assert fetching == {"before", "hold", "after"}, result.sessions
+    assert all(0 < f.busy <= 1 and f.by for f in result.sessions), result.sessions
     with psycopg.connect(db_url) as conn:
         still = conn.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (HOLDER_APP,)
