@@ -53,6 +53,7 @@ import math
 import threading
 import time
 import uuid
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -209,24 +210,24 @@ class SessionSampler(threading.Thread):
         """Each session busy in [start, end): the share of the samples it was not idle, by what
         it was doing, named after the statement it ran most when busy."""
         ticks = sum(1 for t in self.ticks if start <= t < end)
-        doing: dict[int, dict[str, int]] = {}
-        ran: dict[int, dict[str, int]] = {}
+        doing: dict[int, Counter[str]] = defaultdict(Counter)
+        ran: dict[int, Counter[str]] = defaultdict(Counter)
         for t, pid, what, query in self.samples:
             if start <= t < end and what != "idle":
-                doing.setdefault(pid, {})[what] = doing.setdefault(pid, {}).get(what, 0) + 1
-                ran.setdefault(pid, {})[query] = ran.setdefault(pid, {}).get(query, 0) + 1
+                doing[pid][what] += 1
+                ran[pid][query] += 1
         out = []
         for pid, by in doing.items():
-            busy = sum(by.values())
+            busy = by.total()
             if not ticks or busy < ticks * 0.005:
                 continue
             out.append(
                 SessionFigures(
                     phase=phase,
                     pid=pid,
-                    statement=max(ran[pid], key=lambda q: ran[pid][q]),
+                    statement=ran[pid].most_common(1)[0][0],
                     busy=busy / ticks,
-                    by={w: n / ticks for w, n in sorted(by.items(), key=lambda kv: -kv[1])},
+                    by={w: n / ticks for w, n in by.most_common()},
                 )
             )
         return sorted(out, key=lambda f: -f.busy)
