@@ -20,6 +20,9 @@ Operations:
 * the xmin horizon (``health.sql``: sessions, prepared transactions, replication slots): held
   longer than the threshold (``xmin_threshold``, default 300 s), or by an inactive replication
   slot (WARN, naming the pid, application or slot);
+* the ring of ``jobs``' slots: rotations refused a slot's lock for longer than the same
+  threshold (WARN, naming the sessions or prepared transactions that hold one: a transaction
+  that read ``jobs`` and stays open, even without a snapshot, stops every slot being emptied);
 * pg_cron (:mod:`kombu_pgskip.cron`): the latest run of one of the schema's jobs failed (FAIL,
   with what to change, e.g. for ``connection failed``); pg_cron missing or unreadable, no jobs,
   inactive jobs, no recent run of a job due every minute, runs not logged (WARN).
@@ -60,7 +63,7 @@ from .grants import (
     WORKER_PRIVILEGES,
     Privilege,
 )
-from .health import HorizonHolder
+from .health import HorizonHolder, ring_block
 from .health import _remedy as _horizon_remedy
 from .migrate import applied_migrations, load_migrations, require_version, window_floor
 from .sql import queries_in, quote_ident
@@ -82,6 +85,8 @@ _LABELS = {OK: "ok  ", WARN: "WARN", FAIL: "FAIL"}
 #: Seconds a snapshot or transaction may hold the xmin horizon back before the check warns
 #: (as the workers' ``xmin_horizon_warning`` transport option does by default).
 DEFAULT_XMIN_THRESHOLD = 300.0
+#: The migration that records refused locks of the ring's slots (``jobs_rotation.blocked_since``).
+RING_BLOCK_VERSION = 28
 #: At most this many holders of the xmin horizon are read (the oldest ones).
 MAX_HOLDERS = 10
 
@@ -219,6 +224,7 @@ class Doctor:
             self.jobs_storage(),
             self.invalid_indexes(),
             self.xmin_horizon(),
+            self.ring(),
         ]
         if self.cron:
             checks.append(self.pg_cron())
@@ -413,6 +419,30 @@ class Doctor:
             OK,
             f"nothing held longer than {threshold:.0f}s; the oldest: {_brief(oldest)}{note}",
         )
+
+    # -- the ring of jobs' slots ------------------------------------------------------------------
+
+    def ring(self) -> Check:
+        name = "jobs ring"
+        if not any(
+            a.version >= RING_BLOCK_VERSION for a in applied_migrations(self.conn, self.schema)
+        ):
+            return Check(name, WARN, "not checked: the schema predates migration 0028")
+        block = ring_block(
+            self.conn.execute(
+                queries_in("health.sql", self.schema)["ring_blocked"], {"limit": MAX_HOLDERS}
+            ).fetchall()
+        )
+        if block is None:
+            return Check(name, OK, "rotations get the locks of the slots they empty")
+        if block.seconds < self.xmin_threshold:
+            return Check(
+                name,
+                OK,
+                f"a slot's lock refused for {block.seconds:.0f}s (under "
+                f"{self.xmin_threshold:.0f}s): the ring waits for it",
+            )
+        return Check(name, WARN, block.describe(self._ident()))
 
     # -- pg_cron ----------------------------------------------------------------------------------
 

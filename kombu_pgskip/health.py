@@ -1,4 +1,5 @@
-"""Health checks a worker runs in the background: who holds the xmin horizon back.
+"""Health checks a worker runs in the background: who holds the xmin horizon back, who stops
+the ring of ``jobs``' slots being emptied, and whether pg_cron's jobs run.
 
 Every row version a fetch or an ack leaves behind can only be vacuumed once no snapshot can
 still see it. One transaction that keeps an old snapshot open (a session ``idle in
@@ -14,6 +15,13 @@ application, state, for how long, and the query when this role may see it). It i
 the worker's heartbeat thread, at most every ``min(threshold / 2, 60)`` seconds, and repeats the
 warning for the same holder at most once per threshold. Failures of the check are logged and
 never disturb lease renewal.
+
+The same monitor reads ``jobs_rotation.blocked_since`` (``health.sql``: ``ring_blocked``): once
+rotations have been refused a slot's lock for the threshold, it logs a WARNING naming the
+sessions and prepared transactions that hold a lock on a slot other than the current one and
+began before the first refusal. A transaction that read ``jobs`` holds those locks until it
+ends, with or without a snapshot: a READ COMMITTED session idle in transaction holds no xmin,
+and only this check sees it.
 
 How long a horizon has been held is a lower bound: the server's clock where this role may read
 it (``state_change`` of an idle transaction, ``query_start`` of an active one, ``prepared`` of a
@@ -40,7 +48,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,27 +99,132 @@ class HorizonHolder:
         if self.xact_seconds is not None and self.kind == "session":
             details.append(f"transaction open {self.xact_seconds:.0f}s")
         details.append(f"xmin {self.xmin} ({self.xmin_age} transactions old)")
-        if self.query and not self.query.startswith("<insufficient privilege>"):
-            query = " ".join(self.query.split())
-            if len(query) > MAX_QUERY_CHARS:
-                query = query[: MAX_QUERY_CHARS - 3] + "..."
-            details.append(f"last query: {query!r}")
+        details.append(_last_query(self.query))
         return f"{text} ({', '.join(d for d in details if d)})"
+
+
+def _last_query(query: str | None) -> str | None:
+    """The session's query, shortened, for a warning; None when this role may not see it."""
+    if not query or query.startswith("<insufficient privilege>"):
+        return None
+    text = " ".join(query.split())
+    if len(text) > MAX_QUERY_CHARS:
+        text = text[: MAX_QUERY_CHARS - 3] + "..."
+    return f"last query: {text!r}"
+
+
+@dataclass(frozen=True)
+class SlotHolder:
+    """A session or prepared transaction holding the lock of a slot of ``jobs`` that a
+    rotation would empty."""
+
+    kind: str  # "session" or "prepared transaction"
+    who: str  # pid or gid
+    user: str | None
+    application_name: str | None
+    state: str | None
+    xact_seconds: float | None  # how long its transaction has been open, when visible
+    query: str | None
+
+    def describe(self) -> str:
+        """One line naming the holder."""
+        if self.kind == "session":
+            text = f"backend pid {self.who}"
+            details = [
+                f"user={self.user}" if self.user else None,
+                f"application_name={self.application_name or ''!r}",
+                f"state={self.state or 'unknown (not visible to this role)'}",
+            ]
+        else:
+            text = f"prepared transaction {self.who!r}"
+            details = [f"user={self.user}" if self.user else None]
+        if self.xact_seconds is not None:
+            details.append(f"transaction open {self.xact_seconds:.0f}s")
+        details.append(_last_query(self.query))
+        return f"{text} ({', '.join(d for d in details if d)})"
+
+    def remedy(self) -> str:
+        if self.kind == "prepared transaction":
+            return f"COMMIT PREPARED or ROLLBACK PREPARED {self.who!r}"
+        if self.application_name == "pg_dump":
+            return (
+                "let the dump finish; take logical dumps from a standby, or physical backups "
+                "(pg_basebackup, WAL archiving), which lock nothing on the primary"
+            )
+        return _end_transaction(self.who)
+
+
+@dataclass(frozen=True)
+class RingBlock:
+    """Rotations of ``jobs``' slots refused a slot's lock: since how long, and who holds one."""
+
+    seconds: float  # since a rotation was first refused a slot's lock, continuously since
+    holders: list[SlotHolder]  # oldest transaction first; empty when none is visible now
+
+    def describe(self, schema: str) -> str:
+        """What is held, by whom, what it costs and what to do."""
+        if self.holders:
+            first = self.holders[0]
+            more = f"; and {len(self.holders) - 1} more" if len(self.holders) > 1 else ""
+            by = f"held by {first.describe()}{more}"
+            remedy = first.remedy()
+        else:
+            by = "held by a session this role cannot name (or one that just ended)"
+            remedy = (
+                f"look for long transactions holding locks on the slots of {schema}.jobs in "
+                "pg_locks as a superuser or a role with pg_read_all_stats"
+            )
+        return (
+            f"rotations of {schema}.jobs' slots have been refused a slot's lock for "
+            f"{self.seconds:.0f}s, {by}: no slot is emptied while it lasts, so the table grows "
+            f"with every message published. To fix: {remedy}"
+        )
+
+
+def _end_transaction(pid: str) -> str:
+    return (
+        f"end that transaction (commit, roll back, or SELECT pg_terminate_backend({pid})) and "
+        "set idle_in_transaction_session_timeout"
+    )
 
 
 def _remedy(holder: HorizonHolder) -> str:
     if holder.kind == "session":
-        return (
-            "end that transaction (commit, roll back, or "
-            f"SELECT pg_terminate_backend({holder.who})) and set "
-            "idle_in_transaction_session_timeout"
-        )
+        return _end_transaction(holder.who)
     if holder.kind == "prepared transaction":
         return f"COMMIT PREPARED or ROLLBACK PREPARED {holder.who!r}"
     return (
         f"reconnect the standby using it, or SELECT pg_drop_replication_slot({holder.who!r}) "
         "if it is gone"
     )
+
+
+def read_ring_block(store: Store, limit: int = MAX_HOLDERS) -> RingBlock | None:
+    """Whether rotations of ``jobs``' slots are refused a slot's lock, and who holds one;
+    None while they get their locks."""
+    return ring_block(
+        store.run(queries_in("health.sql", store.schema)["ring_blocked"], {"limit": limit})
+    )
+
+
+def ring_block(rows: Sequence[Sequence[Any]]) -> RingBlock | None:
+    """The rows of ``health.sql``'s ``ring_blocked`` as a :class:`RingBlock`."""
+    if not rows or rows[0][0] is None:
+        return None
+    holders = [
+        SlotHolder(
+            kind=str(r[1]),
+            who=str(r[2]),
+            user=r[3],
+            application_name=r[4],
+            state=r[5],
+            xact_seconds=r[6],
+            query=r[7],
+        )
+        for r in rows
+        if r[1] is not None
+    ]
+    return RingBlock(seconds=float(rows[0][0]), holders=holders)
 
 
 def read_holders(store: Store, limit: int = MAX_HOLDERS) -> list[HorizonHolder]:
@@ -154,6 +267,8 @@ class HorizonMonitor:
         self._next_check = 0.0
         self._first_seen: dict[tuple[str, str, str], float] = {}
         self._last_warned: dict[tuple[str, str, str], float] = {}
+        #: When the ring was last warned about, while its slots' locks stay refused.
+        self._ring_warned: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -168,6 +283,15 @@ class HorizonMonitor:
             return []
         self._next_check = now + self.interval
         try:
+            self.check_ring(now)
+        except Exception as exc:
+            logger.warning(
+                "could not check the rotation of jobs' slots (%s); will try again in %.0fs",
+                exc,
+                self.interval,
+                extra={"action": "ring_check_failed"},
+            )
+        try:
             return self.check(now)
         except Exception as exc:
             logger.warning(
@@ -177,6 +301,30 @@ class HorizonMonitor:
                 extra={"action": "xmin_horizon_check_failed"},
             )
             return []
+
+    def check_ring(self, now: float) -> RingBlock | None:
+        """Warn when rotations have been refused a slot's lock for ``threshold`` s or more,
+        at most once per threshold; returns the block warned about now."""
+        block = read_ring_block(self.store)
+        if block is None or block.seconds < self.threshold:
+            self._ring_warned = None
+            return None
+        if self._ring_warned is not None and now - self._ring_warned < self.threshold:
+            return None
+        self._ring_warned = now
+        first = block.holders[0] if block.holders else None
+        logger.warning(
+            "%s",
+            block.describe(self.store.schema),
+            extra={
+                "action": "ring_blocked",
+                "blocked_seconds": round(block.seconds, 1),
+                "holder_kind": first.kind if first else None,
+                "holder": first.who if first else None,
+                "holder_user": first.user if first else None,
+            },
+        )
+        return block
 
     def check(self, now: float) -> list[HorizonHolder]:
         holders = read_holders(self.store)

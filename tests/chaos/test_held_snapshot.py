@@ -13,8 +13,8 @@ import pytest
 from psycopg import sql
 
 from bench.held_snapshot import HOLDER_APP, HOLDER_QUERY, held_snapshot, run
-from kombu_pgskip.health import HorizonMonitor, read_holders
-from kombu_pgskip.store import Store
+from kombu_pgskip.health import HorizonMonitor, read_holders, read_ring_block
+from kombu_pgskip.store import NewMessage, Store
 from kombu_pgskip.testing.embedded import EmbeddedPostgres
 
 
@@ -79,9 +79,21 @@ def test_monitor_names_a_prepared_transaction(
     set_prepared("2")
     store = Store(db_url)
     try:
+        # Slot 1 finished behind the current one, for a rotation to empty.
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE pgskip.jobs_rotation SET slot_rows = 10, completed_retention = '0 s'"
+            )
+        me = uuid.uuid4()
+        store.register_consumer(me, hostname="h", queues=["q"], lease=60)
+        store.publish_many([NewMessage("q", 0, "pending", None, "{}", None, None, None)] * 10)
+        store.ack([r.tag for r in store.fetch(["q"], 10, me)], me)
+        assert store.rotate() == (0, 0, 2)
         with psycopg.connect(db_url) as conn:
             conn.execute("INSERT INTO pgskip.queues (name) VALUES ('prepared')")
+            conn.execute("SELECT count(*) FROM pgskip.jobs")  # its locks outlive the session
             conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+        assert store.rotate() == (0, 0, 2)  # slot 1's lock refused
         clock = FakeClock()
         monitor = HorizonMonitor(store, threshold=10, clock=clock)
         with caplog.at_level(logging.WARNING):
@@ -91,6 +103,13 @@ def test_monitor_names_a_prepared_transaction(
         assert (warned.kind, warned.who, warned.user) == ("prepared transaction", gid, "postgres")
         text = caplog.records[-1].getMessage()
         assert f"prepared transaction {gid!r}" in text and "ROLLBACK PREPARED" in text
+        block = read_ring_block(store)
+        assert block is not None
+        assert [(h.kind, h.who, h.user) for h in block.holders] == [
+            ("prepared transaction", gid, "postgres")
+        ]
+        assert f"held by prepared transaction {gid!r} (user=postgres" in block.describe("pgskip")
+        assert f"ROLLBACK PREPARED {gid!r}" in block.describe("pgskip")
     finally:
         store.close()
         with psycopg.connect(db_url, autocommit=True) as conn:

@@ -1,7 +1,7 @@
 """``pgskip doctor``'s operational checks against the real server: each passes on a freshly
 migrated database and each goes WARN or FAIL, saying what to do, when provoked (a schema
-version row removed or added, a reset storage parameter, an invalid index, a held snapshot,
-failed pg_cron runs); ``--json`` and the exit status.
+version row removed or added, a reset storage parameter, an invalid index, a held snapshot, a
+transaction holding the slots of jobs, failed pg_cron runs); ``--json`` and the exit status.
 
 pg_cron's runs are rows inserted into ``cron.job_run_details`` for a job scheduled once a year:
 no test waits for pg_cron's minute tick."""
@@ -23,6 +23,7 @@ from psycopg import sql
 from kombu_pgskip.__main__ import main
 from kombu_pgskip.doctor import FAIL, OK, WARN, Check, Doctor, run_doctor
 from kombu_pgskip.migrate import latest_version
+from kombu_pgskip.store import NewMessage, Store
 from kombu_pgskip.urls import connect
 from tests.helpers import make_url
 from tests.safety_support import as_role
@@ -32,6 +33,7 @@ OPERATIONS = (
     "autovacuum settings of jobs",
     "indexes valid",
     "xmin horizon",
+    "jobs ring",
 )
 CRON = "pg_cron runs the schema's jobs"
 
@@ -204,6 +206,50 @@ def test_a_held_snapshot_warns_past_the_threshold_naming_its_session(db_url: str
         assert phrase in over.detail, phrase
     # A warning leaves the exit status 0.
     assert code == 0 and f"WARN  xmin horizon: held back by backend pid {pid}" in out
+
+
+def test_a_transaction_holding_the_slots_warns_past_the_threshold_naming_it(db_url: str) -> None:
+    """READ COMMITTED, idle in transaction after reading jobs: no snapshot is held, so the xmin
+    check has nothing to say, but the lock it holds on every slot stops the ring emptying any."""
+    name = "jobs ring"
+    assert (
+        _checks(db_url)[name].line()
+        == "ok    jobs ring: rotations get the locks of the slots they empty"
+    )
+    _sql(db_url, "UPDATE pgskip.jobs_rotation SET slot_rows = 10, completed_retention = '0 s'")
+    store = Store(db_url)
+    try:
+        me = uuid.uuid4()
+        store.register_consumer(me, hostname="h", queues=["q"], lease=60)
+        store.publish_many([NewMessage("q", 0, "pending", None, "{}", None, None, None)] * 10)
+        store.ack([r.tag for r in store.fetch(["q"], 10, me)], me)
+        assert store.rotate() == (0, 0, 2)  # slot 1 finished, behind the current one
+        with psycopg.connect(db_url, application_name="django-shell") as shell:
+            shell.execute("SELECT count(*) FROM pgskip.jobs")
+            pid = shell.info.backend_pid
+            assert store.rotate() == (0, 0, 2)  # slot 1's lock refused
+            under = _checks(db_url)[name]
+            over = _checks(db_url, xmin_threshold=0)
+            code, out, _err = _run(db_url, "--no-cron", "--xmin-threshold", "0")
+        assert store.rotate() == (1, 0, 2)
+        after = _checks(db_url, xmin_threshold=0)[name]
+    finally:
+        store.close()
+    assert over["xmin horizon"].status == OK, over["xmin horizon"].line()
+    assert under.status == OK and "(under 300s): the ring waits for it" in under.detail
+    ring = over[name]
+    assert ring.status == WARN, ring.line()
+    for phrase in (
+        "rotations of \"pgskip\".jobs' slots have been refused a slot's lock for 0s",
+        f"held by backend pid {pid}",
+        "application_name='django-shell'",
+        "state=idle in transaction",
+        "last query: 'SELECT count(*) FROM pgskip.jobs'",
+        f"SELECT pg_terminate_backend({pid})",
+    ):
+        assert phrase in ring.detail, phrase
+    assert code == 0 and "WARN  jobs ring: rotations of" in out
+    assert after.status == OK, after.line()
 
 
 @pytest.fixture

@@ -7,15 +7,21 @@ every consumer settles, fetches and lists them as before.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg
 import pytest
+from psycopg import sql
 
+from kombu_pgskip.grants import apply_grants, grant_statements
+from kombu_pgskip.health import HorizonMonitor, read_holders
 from kombu_pgskip.store import NewMessage, Store
+from tests.safety_support import as_role
 
 
 @pytest.fixture
@@ -501,3 +507,86 @@ def test_a_slot_behind_the_current_one_is_emptied_once_its_messages_have_run(
     _publish(store, 5)
     assert store.rotate() == (0, 0, 2 % slots + 1)
     assert _where(db_url, ids) == {0: 5}
+
+
+@contextmanager
+def _worker_role(server_dsn: str, db_url: str) -> Iterator[str]:
+    """A login role granted what `pgskip grant --worker` grants: the URL of ``db_url`` as it;
+    dropped afterwards."""
+    name, password = f"ring_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    role = sql.Identifier(name)
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(role, sql.Literal(password))
+        )
+    try:
+        dbname = db_url.rsplit("/", 1)[1]
+        apply_grants(db_url, grant_statements(dbname, "pgskip", workers=[name], publishers=[]))
+        yield as_role(db_url, name, password)
+    finally:
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(role))
+        with psycopg.connect(server_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP ROLE {}").format(role))
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_transaction_holding_the_slots_is_named_by_the_worker_past_the_threshold(
+    store: Store, db_url: str, pg_server_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shell left in a READ COMMITTED transaction after reading jobs holds no snapshot (the
+    xmin warning is silent) but holds every slot's lock, so no slot is emptied. The worker,
+    as the role `pgskip grant` makes, names it once rotations have been refused for the
+    threshold, repeats it at most once per threshold, and says nothing once it ended."""
+    _finished_slot_behind(store, db_url)
+    with _worker_role(pg_server_dsn, db_url) as worker_url:
+        worker = Store(worker_url)
+        clock = _Clock()
+        monitor = HorizonMonitor(worker, threshold=0.5, clock=clock)
+
+        def ring_warnings() -> list[logging.LogRecord]:
+            return [r for r in caplog.records if r.__dict__.get("action") == "ring_blocked"]
+
+        try:
+            with caplog.at_level(logging.WARNING):
+                assert monitor.check_ring(clock.now) is None
+                with psycopg.connect(db_url, application_name="django-shell") as shell:
+                    shell.execute("SELECT count(*) FROM pgskip.jobs")
+                    pid = shell.info.backend_pid
+                    assert worker.rotate() == (0, 0, 2)  # slot 1's lock refused
+                    assert str(pid) not in {h.who for h in read_holders(worker)}
+                    assert monitor.check_ring(clock.now) is None  # refused for under 0.5 s
+                    time.sleep(0.6)
+                    clock.now += 1
+                    monitor.maybe_check()
+                    clock.now += 0.3  # warned less than a threshold ago
+                    assert monitor.check_ring(clock.now) is None
+                    clock.now += 0.3
+                    block = monitor.check_ring(clock.now)
+                    assert block is not None and block.seconds >= 0.5
+                    assert [h.who for h in block.holders] == [str(pid)]
+                assert worker.rotate() == (1, 0, 2)
+                clock.now += 1
+                assert monitor.check_ring(clock.now) is None
+        finally:
+            worker.close()
+    first, second = ring_warnings()
+    text = first.getMessage()
+    for phrase in (
+        "rotations of pgskip.jobs' slots have been refused a slot's lock for",
+        f"held by backend pid {pid} (user=postgres, application_name='django-shell'",
+        # The worker role may not see a superuser's session's state, query or start.
+        "state=unknown (not visible to this role)",
+        "no slot is emptied while it lasts",
+        f"SELECT pg_terminate_backend({pid})",
+    ):
+        assert phrase in text, phrase
+    assert first.__dict__["holder"] == str(pid) and first.__dict__["blocked_seconds"] >= 0.5
+    assert second.getMessage().startswith("rotations of")
