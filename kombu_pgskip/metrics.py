@@ -16,8 +16,9 @@ Per queue: pending, scheduled, running and failed messages, the redelivered ones
 pending and running, the age of the oldest pending message, the live consumers of the queue,
 whether it is paused, and its limits.
 For the schema: the consumers whose lease holds and those whose lease ran out, the database's
-xmin horizon (how old the oldest snapshot that stops vacuum is), the ``jobs`` table's size,
-live and dead row versions and inserted rows, and, where pg_cron is installed and this role may
+xmin horizon (how old the oldest snapshot that stops vacuum is), how long rotations of
+``jobs``' slots have been refused a slot's lock, the ``jobs`` table's size, live and dead row
+versions and inserted rows, and, where pg_cron is installed and this role may
 read its jobs, whether each of the schema's pg_cron jobs is active and how its last run ended.
 docs/metrics.md describes each metric.
 
@@ -155,6 +156,12 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "gauge",
         "Seconds the oldest holder of the database's xmin horizon has held it, as far as this "
         "role can see (0 when none)",
+        (),
+    ),
+    "pgskip_jobs_ring_blocked_seconds": (
+        "gauge",
+        "Seconds since rotations of the jobs table's slots were first refused a slot's lock "
+        "(0 while they get their locks): no slot is emptied meanwhile",
         (),
     ),
     "pgskip_jobs_table_size_bytes": (
@@ -304,6 +311,7 @@ class PgSkipCollector:
         families += self._consumer_families(conn, q)
         families += self._horizon_families(conn)
         families += self._table_families(conn, q)
+        families += self._ring_families(conn, q)
         families += self._cron_families()
         return families
 
@@ -371,6 +379,12 @@ class PgSkipCollector:
         seconds = _family("pgskip_xmin_horizon_age_seconds")
         seconds.add_metric([], max(0.0, max(held, default=0.0)))
         return [transactions, seconds]
+
+    def _ring_families(self, conn: Connection, q: dict[str, Any]) -> list[Metric]:
+        row = conn.execute(q["ring_blocked_seconds"]).fetchone()
+        blocked = _family("pgskip_jobs_ring_blocked_seconds")
+        blocked.add_metric([], 0.0 if row is None or row[0] is None else max(0.0, float(row[0])))
+        return [blocked]
 
     def _table_families(self, conn: Connection, q: dict[str, Any]) -> list[Metric]:
         row = conn.execute(q["jobs_table"], {"schema": self.schema}).fetchone()

@@ -56,3 +56,6 @@ SELECT sum(pg_total_relation_size(s.relid))::bigint, sum(s.n_live_tup)::bigint,
                      FROM pg_partition_tree(to_regclass(format('%%I.jobs', %(schema)s::text))) AS t
                     WHERE t.isleaf)
 HAVING count(*) > 0;
+
+-- ring_blocked_seconds: seconds since rotations of jobs' slots were first refused the lock of a slot they would empty (migration 0028), NULL while they get their locks
+SELECT extract(epoch FROM now() - blocked_since)::float8 FROM {schema}.jobs_rotation;

@@ -27,7 +27,7 @@ from kombu_pgskip.envelope import to_row
 from kombu_pgskip.grants import apply_grants, grant_statements
 from kombu_pgskip.metrics import PgSkipCollector, exposed_names
 from kombu_pgskip.sql import queries_in
-from kombu_pgskip.store import Store
+from kombu_pgskip.store import NewMessage, Store
 from tests.helpers import REPO_ROOT, make_url
 
 
@@ -244,6 +244,35 @@ def test_xmin_horizon_age_names_a_held_snapshot(db_url: str, collector: PgSkipCo
         assert transactions is not None and transactions >= 5
         assert seconds is not None and seconds >= 1.0
         holder.rollback()
+
+
+def test_ring_blocked_seconds_grow_while_a_transaction_holds_the_slots(
+    db_url: str, collector: PgSkipCollector
+) -> None:
+    """A READ COMMITTED transaction left open after reading jobs holds no snapshot (the xmin
+    horizon's age stays 0) but holds every slot's lock: rotations are refused until it ends."""
+    registry = _registry(collector)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("UPDATE pgskip.jobs_rotation SET slot_rows = 10, completed_retention = '0 s'")
+    store = Store(db_url)
+    try:
+        me = uuid.uuid4()
+        store.register_consumer(me, hostname="h", queues=["q"], lease=60)
+        store.publish_many([NewMessage("q", 0, "pending", None, "{}", None, None, None)] * 10)
+        store.ack([r.tag for r in store.fetch(["q"], 10, me)], me)
+        assert store.rotate() == (0, 0, 2)  # slot 1 finished, behind the current one
+        assert _value(registry, "pgskip_jobs_ring_blocked_seconds") == 0
+        with psycopg.connect(db_url) as shell:
+            shell.execute("SELECT count(*) FROM pgskip.jobs")
+            assert store.rotate() == (0, 0, 2)  # slot 1's lock refused
+            time.sleep(1.1)
+            blocked = _value(registry, "pgskip_jobs_ring_blocked_seconds")
+            assert blocked is not None and blocked >= 1.0
+            assert _value(registry, "pgskip_xmin_horizon_age_seconds") == 0
+        assert store.rotate() == (1, 0, 2)
+        assert _value(registry, "pgskip_jobs_ring_blocked_seconds") == 0
+    finally:
+        store.close()
 
 
 def test_counts_read_only_the_partial_indexes_not_the_completed_rows(db_url: str) -> None:
