@@ -15,12 +15,15 @@ import time
 import uuid
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import psycopg
 import psycopg.sql
 from psycopg import conninfo
+
+if TYPE_CHECKING:
+    from kombu_pgskip.store import Store
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -275,3 +278,17 @@ def seq_scanned_rows(conn: psycopg.Connection[Any], plan: str) -> list[str]:
         if row and row[0]:
             found.append(name)
     return found
+
+
+def finished_slot_behind(store: Store, db_url: str) -> None:
+    """Slots of 10 ids, completed messages kept 0 s: slot 1 full of messages that ran, behind
+    the current slot 2, for the next rotation to empty (a session holding its lock stops it)."""
+    from kombu_pgskip.store import NewMessage
+
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("UPDATE pgskip.jobs_rotation SET slot_rows = 10, completed_retention = '0 s'")
+    me = uuid.uuid4()
+    store.register_consumer(me, hostname="h", queues=["q"], lease=60)
+    store.publish_many([NewMessage("q", 0, "pending", None, "{}", None, None, None)] * 10)
+    assert store.ack([r.tag for r in store.fetch(["q"], 10, me)], me) == 10
+    assert store.rotate() == (0, 0, 2)

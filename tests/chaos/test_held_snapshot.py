@@ -14,8 +14,9 @@ from psycopg import sql
 
 from bench.held_snapshot import HOLDER_APP, HOLDER_QUERY, held_snapshot, run
 from kombu_pgskip.health import HorizonMonitor, read_holders, read_ring_block
-from kombu_pgskip.store import NewMessage, Store
+from kombu_pgskip.store import Store
 from kombu_pgskip.testing.embedded import EmbeddedPostgres
+from tests.helpers import finished_slot_behind
 
 
 class FakeClock:
@@ -79,16 +80,7 @@ def test_monitor_names_a_prepared_transaction(
     set_prepared("2")
     store = Store(db_url)
     try:
-        # Slot 1 finished behind the current one, for a rotation to empty.
-        with psycopg.connect(db_url, autocommit=True) as conn:
-            conn.execute(
-                "UPDATE pgskip.jobs_rotation SET slot_rows = 10, completed_retention = '0 s'"
-            )
-        me = uuid.uuid4()
-        store.register_consumer(me, hostname="h", queues=["q"], lease=60)
-        store.publish_many([NewMessage("q", 0, "pending", None, "{}", None, None, None)] * 10)
-        store.ack([r.tag for r in store.fetch(["q"], 10, me)], me)
-        assert store.rotate() == (0, 0, 2)
+        finished_slot_behind(store, db_url)
         with psycopg.connect(db_url) as conn:
             conn.execute("INSERT INTO pgskip.queues (name) VALUES ('prepared')")
             conn.execute("SELECT count(*) FROM pgskip.jobs")  # its locks outlive the session

@@ -23,9 +23,9 @@ from psycopg import sql
 from kombu_pgskip.__main__ import main
 from kombu_pgskip.doctor import FAIL, OK, WARN, Check, Doctor, run_doctor
 from kombu_pgskip.migrate import latest_version
-from kombu_pgskip.store import NewMessage, Store
+from kombu_pgskip.store import Store
 from kombu_pgskip.urls import connect
-from tests.helpers import make_url
+from tests.helpers import finished_slot_behind, make_url
 from tests.safety_support import as_role
 
 OPERATIONS = (
@@ -216,14 +216,9 @@ def test_a_transaction_holding_the_slots_warns_past_the_threshold_naming_it(db_u
         _checks(db_url)[name].line()
         == "ok    jobs ring: rotations get the locks of the slots they empty"
     )
-    _sql(db_url, "UPDATE pgskip.jobs_rotation SET slot_rows = 10, completed_retention = '0 s'")
     store = Store(db_url)
     try:
-        me = uuid.uuid4()
-        store.register_consumer(me, hostname="h", queues=["q"], lease=60)
-        store.publish_many([NewMessage("q", 0, "pending", None, "{}", None, None, None)] * 10)
-        store.ack([r.tag for r in store.fetch(["q"], 10, me)], me)
-        assert store.rotate() == (0, 0, 2)  # slot 1 finished, behind the current one
+        finished_slot_behind(store, db_url)
         with psycopg.connect(db_url, application_name="django-shell") as shell:
             shell.execute("SELECT count(*) FROM pgskip.jobs")
             pid = shell.info.backend_pid

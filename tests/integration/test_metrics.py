@@ -27,8 +27,8 @@ from kombu_pgskip.envelope import to_row
 from kombu_pgskip.grants import apply_grants, grant_statements
 from kombu_pgskip.metrics import PgSkipCollector, exposed_names
 from kombu_pgskip.sql import queries_in
-from kombu_pgskip.store import NewMessage, Store
-from tests.helpers import REPO_ROOT, make_url
+from kombu_pgskip.store import Store
+from tests.helpers import REPO_ROOT, finished_slot_behind, make_url
 
 
 def _insert(
@@ -252,15 +252,9 @@ def test_ring_blocked_seconds_grow_while_a_transaction_holds_the_slots(
     """A READ COMMITTED transaction left open after reading jobs holds no snapshot (the xmin
     horizon's age stays 0) but holds every slot's lock: rotations are refused until it ends."""
     registry = _registry(collector)
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("UPDATE pgskip.jobs_rotation SET slot_rows = 10, completed_retention = '0 s'")
     store = Store(db_url)
     try:
-        me = uuid.uuid4()
-        store.register_consumer(me, hostname="h", queues=["q"], lease=60)
-        store.publish_many([NewMessage("q", 0, "pending", None, "{}", None, None, None)] * 10)
-        store.ack([r.tag for r in store.fetch(["q"], 10, me)], me)
-        assert store.rotate() == (0, 0, 2)  # slot 1 finished, behind the current one
+        finished_slot_behind(store, db_url)
         assert _value(registry, "pgskip_jobs_ring_blocked_seconds") == 0
         with psycopg.connect(db_url) as shell:
             shell.execute("SELECT count(*) FROM pgskip.jobs")

@@ -21,6 +21,7 @@ from psycopg import sql
 from kombu_pgskip.grants import apply_grants, grant_statements
 from kombu_pgskip.health import HorizonMonitor, read_holders
 from kombu_pgskip.store import NewMessage, Store
+from tests.helpers import finished_slot_behind
 from tests.safety_support import as_role
 
 
@@ -61,17 +62,6 @@ def _consumer(store: Store) -> uuid.UUID:
     me = uuid.uuid4()
     store.register_consumer(me, hostname="h", queues=["q"], lease=60)
     return me
-
-
-def _finished_slot_behind(store: Store, db_url: str) -> None:
-    """Slot 1 full of messages that ran (completed, past a retention of 0 s), slot 2
-    current."""
-    _ring(db_url, slot_rows=10)
-    me = _consumer(store)
-    _publish(store, 10)
-    rows = store.fetch(["q"], 10, me)
-    store.ack([r.tag for r in rows], me)
-    assert store.rotate() == (0, 0, 2)
 
 
 def test_the_ring_moves_on_once_the_current_slot_gave_out_its_ids(
@@ -204,7 +194,7 @@ def test_a_held_snapshot_does_not_stop_a_slot_being_emptied(store: Store, db_url
 def test_a_transaction_that_read_the_slot_delays_its_emptying_without_failing(
     store: Store, db_url: str
 ) -> None:
-    _finished_slot_behind(store, db_url)
+    finished_slot_behind(store, db_url)
     with psycopg.connect(db_url) as reader:
         reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
         reader.execute("SELECT count(*) FROM pgskip.jobs")  # holds a lock on every slot
@@ -245,7 +235,7 @@ def test_a_session_holding_every_slot_costs_a_rotation_one_lock_wait(
 def test_a_publish_left_open_does_not_delay_emptying_another_slot(
     store: Store, db_url: str
 ) -> None:
-    _finished_slot_behind(store, db_url)
+    finished_slot_behind(store, db_url)
     with psycopg.connect(db_url) as business:
         business.execute(  # as the publish statement writes it, in the caller's transaction
             "INSERT INTO pgskip.jobs (queue, payload, slot)"
@@ -545,7 +535,7 @@ def test_a_transaction_holding_the_slots_is_named_by_the_worker_past_the_thresho
     xmin warning is silent) but holds every slot's lock, so no slot is emptied. The worker,
     as the role `pgskip grant` makes, names it once rotations have been refused for the
     threshold, repeats it at most once per threshold, and says nothing once it ended."""
-    _finished_slot_behind(store, db_url)
+    finished_slot_behind(store, db_url)
     with _worker_role(pg_server_dsn, db_url) as worker_url:
         worker = Store(worker_url)
         clock = _Clock()
