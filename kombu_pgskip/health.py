@@ -19,9 +19,9 @@ never disturb lease renewal.
 The same monitor reads ``jobs_rotation.blocked_since`` (``health.sql``: ``ring_blocked``): once
 rotations have been refused a slot's lock for the threshold, it logs a WARNING naming the
 sessions and prepared transactions that hold a lock on a slot other than the current one and
-began before the first refusal. A transaction that read ``jobs`` holds those locks until it
-ends, with or without a snapshot: a READ COMMITTED session idle in transaction holds no xmin,
-and only this check sees it.
+began before the first refusal or over a second ago. A transaction that read ``jobs`` holds
+those locks until it ends, with or without a snapshot: a READ COMMITTED session idle in
+transaction holds no xmin, and only this check sees it.
 
 How long a horizon has been held is a lower bound: the server's clock where this role may read
 it (``state_change`` of an idle transaction, ``query_start`` of an active one, ``prepared`` of a

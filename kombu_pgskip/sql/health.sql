@@ -40,7 +40,7 @@ SELECT current_setting('transaction_read_only') = 'on',
        current_user::text,
        current_database()::text;
 
--- ring_blocked: how many seconds ago a rotation was first refused the lock of a slot of jobs it would empty (NULL while rotations get their locks), and the sessions and prepared transactions that hold a lock on a slot other than the current one and began before that refusal, or whose start this role may not see (but the broker's own sessions, which hold a slot for a statement): kind, pid or gid, user, application, state, seconds since its transaction began, its query; oldest first, one row with NULLs when there is none
+-- ring_blocked: how many seconds ago a rotation was first refused the lock of a slot of jobs it would empty (NULL while rotations get their locks), and the sessions and prepared transactions that hold a lock on a slot other than the current one and began before that refusal or over a second ago, or whose start this role may not see (but the broker's own sessions, which hold a slot for a statement): kind, pid or gid, user, application, state, seconds since its transaction began, its query; oldest first, one row with NULLs when there is none
 SELECT extract(epoch FROM now() - r.blocked_since)::float8,
        h.kind, h.who, h.usename, h.application_name, h.state, h.xact_seconds, h.query
   FROM {schema}.jobs_rotation AS r
@@ -70,7 +70,8 @@ SELECT extract(epoch FROM now() - r.blocked_since)::float8,
            AND l.database = (SELECT d.oid FROM pg_database AS d
                               WHERE d.datname = current_database())
            AND l.pid IS DISTINCT FROM pg_backend_pid()
-           AND (COALESCE(a.xact_start, p.prepared) <= r.blocked_since
+           AND (COALESCE(a.xact_start, p.prepared)
+                    <= GREATEST(r.blocked_since, now() - interval '1 second')
                 OR (COALESCE(a.xact_start, p.prepared) IS NULL
                     AND a.application_name IS DISTINCT FROM 'kombu-pgskip'))
        ) AS h ON true

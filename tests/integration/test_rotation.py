@@ -19,7 +19,7 @@ import pytest
 from psycopg import sql
 
 from kombu_pgskip.grants import apply_grants, grant_statements
-from kombu_pgskip.health import HorizonMonitor, read_holders
+from kombu_pgskip.health import HorizonMonitor, read_holders, read_ring_block
 from kombu_pgskip.store import NewMessage, Store
 from tests.helpers import finished_slot_behind
 from tests.safety_support import as_role
@@ -580,3 +580,26 @@ def test_a_transaction_holding_the_slots_is_named_by_the_worker_past_the_thresho
         assert phrase in text, phrase
     assert first.__dict__["holder"] == str(pid) and first.__dict__["blocked_seconds"] >= 0.5
     assert second.getMessage().startswith("rotations of")
+
+
+def test_a_reader_that_took_over_the_slots_is_named_as_their_holder(
+    store: Store, db_url: str
+) -> None:
+    """Reports back to back: the second began after the first refusal, and holds the slots
+    once the first has ended; the ring stays blocked, and the second is named."""
+    finished_slot_behind(store, db_url)
+    with psycopg.connect(db_url, application_name="first-report") as first:
+        first.execute("SELECT count(*) FROM pgskip.jobs")
+        assert store.rotate() == (0, 0, 2)  # refused: blocked from now on
+        second = psycopg.connect(db_url, application_name="second-report")
+        second.execute("SELECT count(*) FROM pgskip.jobs")
+    try:
+        assert store.rotate() == (0, 0, 2)  # the second holds the slots now
+        time.sleep(1.1)
+        block = read_ring_block(store)
+        assert block is not None and block.seconds >= 1.0
+        assert [h.application_name for h in block.holders] == ["second-report"]
+    finally:
+        second.close()
+    assert store.rotate() == (1, 0, 2)
+    assert read_ring_block(store) is None
