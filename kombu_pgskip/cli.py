@@ -1117,8 +1117,8 @@ def grant_cmd(
     "--xmin-threshold",
     type=click.FloatRange(min=0),
     default=None,
-    help="Warn when a snapshot or transaction has held the xmin horizon back this many "
-    "seconds (default 300).",
+    help="Warn when a snapshot or transaction has held the xmin horizon back, or rotations "
+    "of jobs' slots have been refused a slot's lock, this many seconds (default 300).",
 )
 @click.option(
     "--no-cron",
