@@ -292,3 +292,13 @@ def finished_slot_behind(store: Store, db_url: str) -> None:
     store.publish_many([NewMessage("q", 0, "pending", None, "{}", None, None, None)] * 10)
     assert store.ack([r.tag for r in store.fetch(["q"], 10, me)], me) == 10
     assert store.rotate() == (0, 0, 2)
+
+
+class FakeClock:
+    """A monotonic clock a test moves by hand (``clock.now += 6``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now

@@ -16,15 +16,7 @@ from bench.held_snapshot import HOLDER_APP, HOLDER_QUERY, held_snapshot, run
 from kombu_pgskip.health import HorizonMonitor, read_holders, read_ring_block
 from kombu_pgskip.store import Store
 from kombu_pgskip.testing.embedded import EmbeddedPostgres
-from tests.helpers import finished_slot_behind
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import FakeClock, finished_slot_behind
 
 
 def test_monitor_names_the_session_holding_the_horizon_and_throttles(

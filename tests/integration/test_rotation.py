@@ -21,7 +21,7 @@ from psycopg import sql
 from kombu_pgskip.grants import apply_grants, grant_statements
 from kombu_pgskip.health import HorizonMonitor, read_holders, read_ring_block
 from kombu_pgskip.store import NewMessage, Store
-from tests.helpers import finished_slot_behind
+from tests.helpers import FakeClock, finished_slot_behind
 from tests.safety_support import as_role
 
 
@@ -520,14 +520,6 @@ def _worker_role(server_dsn: str, db_url: str) -> Iterator[str]:
             conn.execute(sql.SQL("DROP ROLE {}").format(role))
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_transaction_holding_the_slots_is_named_by_the_worker_past_the_threshold(
     store: Store, db_url: str, pg_server_dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -538,7 +530,7 @@ def test_a_transaction_holding_the_slots_is_named_by_the_worker_past_the_thresho
     finished_slot_behind(store, db_url)
     with _worker_role(pg_server_dsn, db_url) as worker_url:
         worker = Store(worker_url)
-        clock = _Clock()
+        clock = FakeClock()
         monitor = HorizonMonitor(worker, threshold=0.5, clock=clock)
 
         def ring_warnings() -> list[logging.LogRecord]:
