@@ -28,7 +28,9 @@
    heartbeat connections; utime + stime from ``/proc``), and the time from just before each
    ``apply_async`` to the task's start (p50, p99) in that stream. ``--e2e-workers N`` runs N
    such workers on the one queue (every notification then wakes all of them; their CPU is
-   summed).
+   summed). ``--e2e-gap S`` pauses S seconds after each ``apply_async`` (1,000 tasks then): a
+   trickle that leaves the workers idle between tasks, where every task wakes every idle
+   worker.
 6. Blocking kombu consumers (``--blocking`` runs only this): ``N`` processes each running a
    kombu ``Consumer`` (prefetch 10, acking each message) in a ``drain_events`` loop, as a
    ``ConsumerMixin`` does, on one queue; one kombu producer publishing 2,000 durable messages
@@ -58,8 +60,11 @@
    time and server CPU per ``ack_fetch`` as the event-loop fetcher runs it (prepared, its
    generic plan, asynchronous commit), each fetch taking the one message inserted before it
    and acking the one before, against the same statement reading ``jobs_kept`` alone in place
-   of ``jobs`` (one partition, with the same indexes: what the statement costs on one table).
-   The message waits 10 ms before its fetch (*idle*: the backend and this process asleep in
+   of ``jobs`` (one partition, with the same indexes: what the statement costs on one table),
+   and against the statement an idle worker sends first (*one_slot*: the same statement with
+   ``slot =`` the current slot in every read of ``jobs``, which its plan reads alone; no acks,
+   the message before marked completed outside the timing). The message waits 10 ms before
+   its fetch (*idle*: the backend and this process asleep in
    between, as for a task that arrives at an idle worker) or not at all (*busy*). Medians of 5
    alternating rounds of 200 after 20.
 
@@ -325,17 +330,21 @@ def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str
     # rows) would otherwise choose the generic plans, prepared below, for another table.
     with psycopg.connect(url, autocommit=True) as admin:
         admin.execute("TRUNCATE pgskip.jobs")
+        row = admin.execute("SELECT pgskip.current_slot()").fetchone()
+        current = int(row[0]) if row else 1
     fetchers: dict[str, AsyncFetcher] = {}
-    for layout in ("partitioned", "one_partition"):
+    for layout in ("partitioned", "one_partition", "one_slot"):
         fetcher = AsyncFetcher(url, schema="pgskip", asynchronous_commit=True,
                                connect_timeout=10)  # fmt: skip
         if layout == "one_partition":
             fetcher._query = one_partition(fetcher._query)
+        elif layout == "one_slot":
+            fetcher._query = fetcher._slot_query.replace(b"{slot}", str(current).encode())
         fetcher.fileno()  # connects and prepares
         fetchers[layout] = fetcher
-    # The message of a fetch from jobs_kept is written to its slot (0), the other to the
-    # current slot.
-    slot = {"partitioned": "pgskip.current_slot()", "one_partition": "0"}
+    # The message of a fetch from jobs_kept is written to its slot (0), the others to the
+    # current slot (nothing rotates the ring here).
+    slot = {"partitioned": "pgskip.current_slot()", "one_partition": "0", "one_slot": str(current)}
     samples: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     try:
         with psycopg.connect(url, autocommit=True) as admin:
@@ -362,6 +371,12 @@ def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str
                             w1, b1 = time.perf_counter(), _backend_cpu_s(pid)
                             assert result is not None and len(result[1]) == 1, result
                             tags = [r.tag for r in result[1]]
+                            if layout == "one_slot":  # an idle worker's fetch carries no acks
+                                admin.execute(
+                                    "UPDATE pgskip.jobs SET status = 'completed' WHERE id = %s",
+                                    (tags[0][0],),
+                                )
+                                tags = []
                             if i >= 20:
                                 walls.append(w1 - w0)
                                 cpu += b1 - b0
@@ -520,6 +535,7 @@ def e2e_cpu(
     rounds: int = 3,
     n: int = 3000,
     workers: int = 1,
+    gap: float = 0.0,
 ) -> dict[str, Any]:
     """Per task, end to end: fetch statements and CPU of every process, by ``fetch_cooldown``
     and ``fetch_cooldown_max``; ``workers`` worker processes on the one queue."""
@@ -562,6 +578,8 @@ def e2e_cpu(
                 for i in range(n):
                     sent.append(time.time())
                     task.apply_async(kwargs={"i": i})
+                    if gap:
+                        time.sleep(gap)
                 stamps.wait_for(n, 180)
                 started = {i: t for i, t in stamps.read() if i >= 0}
                 last = max(started.values())
@@ -590,6 +608,8 @@ def e2e_cpu(
                 samples[cooldown].append(row)
                 log(f"e2e cpu, {_cooldown_name(cooldown)}: {row['rate']:.0f} tasks/s")
     out: dict[str, Any] = {"rounds": rounds, "tasks": n, "worker_processes": workers}
+    if gap:
+        out["gap_s"] = gap
     for cooldown, rows in samples.items():
         out[_cooldown_name(cooldown)] = {
             key: round(float(median(r[key] for r in rows if key in r) or 0.0), 2) for key in rows[0]
@@ -882,6 +902,13 @@ def main(argv: list[str] | None = None) -> int:
         "--e2e-workers", type=int, default=1, help="worker processes for --e2e-cpu (one queue)"
     )
     parser.add_argument(
+        "--e2e-gap",
+        type=float,
+        default=0.0,
+        help="seconds between publishes for --e2e-cpu (default 0: back to back; 1,000 tasks"
+        " when set)",
+    )
+    parser.add_argument(
         "--e2e-cooldowns",
         type=_cooldowns,
         default=E2E_COOLDOWNS,
@@ -959,7 +986,12 @@ def main(argv: list[str] | None = None) -> int:
                 report["notified_fetch"] = notified_fetch(broker, url)
             if args.e2e_cpu:
                 report["e2e_cpu"] = e2e_cpu(
-                    broker, conn, workers=args.e2e_workers, cooldowns=args.e2e_cooldowns
+                    broker,
+                    conn,
+                    workers=args.e2e_workers,
+                    cooldowns=args.e2e_cooldowns,
+                    gap=args.e2e_gap,
+                    n=1000 if args.e2e_gap else 3000,
                 )
             if args.blocking:
                 report["blocking_consumers"] = blocking_consumers(

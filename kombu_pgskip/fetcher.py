@@ -9,19 +9,36 @@ kombu's Redis transport sends ``BRPOP`` and reads the reply later).
 It speaks libpq directly (``psycopg.pq``), on a connection opened by psycopg: one prepared
 statement (or, with ``prepared=False`` for PgBouncer in transaction pooling, the statement text
 every time), parameters and results in text format.
+
+**An idle worker looks in one slot first.** ``jobs`` is a ring of partitions (migration 0027)
+and a generic plan sets up every one of them at each place the statement reads ``jobs``: on an
+idle worker most of a fetch's time, which a task published to an idle worker waits for. After
+a fetch that found nothing, the next fetch that carries no acks runs the same statement
+limited to the slot of the newest message this connection took, which is where new messages
+go until the ring moves on (a second prepared statement per slot, planned for that partition
+alone). If it takes nothing, the statement on every slot follows at once on the same
+connection, so a message anywhere else (the ring moved on, a message returned to its queue, a
+countdown come due) is taken as before, one round trip later. Only a fetch right after an
+empty one reads one slot, so the one after it reads them all; the remote-control queues it
+looks into (``urgent``) are read in that slot too, and have their own notifications. When
+several idle workers share a queue, each notification wakes them all and one takes the
+message: a fetcher whose look in one slot took nothing reads every slot until it takes a
+message again, so that a worker that keeps losing that race sends one statement a
+notification, as it would without the look.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import select
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import psycopg
-from psycopg import pq
+from psycopg import pq, sql
 
 from . import exceptions
 from .libpq import array_literal, positional, result_error
@@ -91,6 +108,14 @@ class AsyncFetcher:
         assert set(names) == set(_PARAMS), names
         self._query = query.encode()
         self._order = names
+        # The statement on one slot: every read of jobs limited to slot = {slot}.
+        self._slot_query = _one_slot(self._query, schema)
+        self._newest_slot = 0  # the slot of the newest message taken (0: none yet)
+        self._found_nothing = False  # whether the last fetch took nothing
+        self._slot_missed = False  # a look in one slot took nothing, no message taken since
+        self._slot_prepared: set[int] = set()  # on this connection
+        self._in_slot = 0  # the slot the fetch in flight reads alone (0: every slot)
+        self._params: list[bytes] = []  # of the fetch in flight
 
     @property
     def in_flight(self) -> bool:
@@ -117,6 +142,7 @@ class AsyncFetcher:
 
     def _set_up(self, conn: psycopg.Connection[Any]) -> None:
         """The session's settings, and the fetch statement prepared."""
+        self._slot_prepared = set()
         with self._classifying:
             if self._asynchronous_commit:
                 conn.execute("SET synchronous_commit TO off")
@@ -148,20 +174,36 @@ class AsyncFetcher:
         one of the queues ``urgent`` (read in the fetch's snapshot; not fetched)."""
         if self._sent is not None:
             raise RuntimeError("a fetch is already in flight")
-        pgconn = self._pgconn()
         params = self.params(tags, queues, limit, consumer, urgent, after)
+        idle = self._found_nothing and not tags and not self._slot_missed
+        self._send(params, self._newest_slot if idle else 0)
+        self._sent, self._params = limit, params
+
+    def _send(self, params: list[bytes], slot: int) -> None:
+        """Send the statement, on ``slot`` alone unless 0 (see the module's docstring)."""
+        conn = self._connection()
+        pgconn = conn.pgconn
+        statement, query = self._statement, self._query
+        if slot:
+            statement = b"%s_slot_%d" % (self._statement, slot)
+            query = self._slot_query.replace(b"{slot}", b"%d" % slot)
         try:
             with self._classifying:
-                if self._prepared:
-                    pgconn.send_query_prepared(self._statement, params)
+                if not self._prepared:
+                    pgconn.send_query_params(query, params)
                 else:
-                    pgconn.send_query_params(self._query, params)
+                    if slot and slot not in self._slot_prepared:
+                        res = pgconn.prepare(statement, query)
+                        if res.status != pq.ExecStatus.COMMAND_OK:
+                            raise result_error(conn, res, url_for_messages=self._where)
+                        self._slot_prepared.add(slot)
+                    pgconn.send_query_prepared(statement, params)
                 while pgconn.flush():  # 1 while data remains to be sent: rare for a small query
                     select.select([], [pgconn.socket], [], 1.0)
         except BaseException:
             self._drop()  # its state unknown: the next fetch opens a new connection
             raise
-        self._sent = limit
+        self._in_slot = slot
 
     def params(
         self,
@@ -203,11 +245,21 @@ class AsyncFetcher:
                 for res in results:
                     if res.status != pq.ExecStatus.TUPLES_OK:
                         raise result_error(conn, res, url_for_messages=self._where)
+            acked, rows, slot = self._parse(results)
+            if not rows and self._in_slot:
+                # Nothing due in the slot new messages go to: every slot, at once.
+                self._slot_missed = True
+                self._send(self._params, 0)
+                return None
         except BaseException:
             self._drop()
             raise
+        if slot:  # 0: the newest message taken was in jobs_kept, where new messages never go
+            self._newest_slot = slot
+        self._found_nothing = not rows
+        self._slot_missed = self._slot_missed and not rows
         limit, self._sent = self._sent, None
-        return (*self._parse(results), limit)
+        return acked, rows, limit
 
     def wait(self, timeout: float = 30.0) -> tuple[int, list[FetchedRow], int] | None:
         """Block until the fetch in flight (if any) completes."""
@@ -224,11 +276,13 @@ class AsyncFetcher:
                 )
         return None
 
-    def _parse(self, results: list[pq.abc.PGresult]) -> tuple[int, list[FetchedRow]]:
-        """``ack_fetch``'s text-format results as (acks still ours, rows in delivery order)."""
+    def _parse(self, results: list[pq.abc.PGresult]) -> tuple[int, list[FetchedRow], int]:
+        """``ack_fetch``'s text-format results as (acks still ours, rows in delivery order, the
+        slot of the newest row or 0)."""
         acked = 0
         urgent = False
         rows: list[tuple[Any, ...]] = []
+        newest = slot = 0
         for res in results:
             for i in range(res.ntuples):
                 value = res.get_value
@@ -251,11 +305,14 @@ class AsyncFetcher:
                         (value(i, 12) or b"").decode(),  # run_at, as text
                     )
                 )
+                if rows[-1][0] > newest:
+                    newest, slot = rows[-1][0], int(value(i, 13) or 0)
         self.urgent = urgent
-        return acked, fetched_rows(rows)
+        return acked, fetched_rows(rows), slot
 
     def _drop(self) -> None:
         conn, self._conn, self._sent = self._conn, None, None
+        self._found_nothing = False
         if conn is not None and self._pid == os.getpid():
             try:
                 conn.close()
@@ -268,3 +325,22 @@ class AsyncFetcher:
             self._conn, self._sent = None, None
             return
         self._drop()
+
+
+def _one_slot(query: bytes, schema: str) -> bytes:
+    """``query`` reading one slot of ``jobs`` wherever it reads ``jobs``: the condition
+    ``slot = {slot}`` (the slot put in by :meth:`AsyncFetcher._send`) first in the WHERE clause
+    of each read, a constant, so that PostgreSQL plans the read of that partition alone. The
+    privileges checked stay those on ``jobs``."""
+    parent = re.escape(sql.Identifier(schema).as_bytes(None) + b".jobs")
+    reads = list(re.finditer(parent + rb"(?:\s+AS\s+(\w+))?(?=\s)", query))
+    out, done = [], 0
+    for k, read in enumerate(reads):
+        where = query.find(b" WHERE ", read.end())
+        following = reads[k + 1].start() if k + 1 < len(reads) else len(query)
+        if not 0 <= where < following:
+            raise RuntimeError("the fetch reads jobs in a way _one_slot does not rewrite")
+        where += len(b" WHERE ")
+        out += [query[done:where], read.group(1) or b"jobs", b".slot = {slot} AND "]
+        done = where
+    return b"".join([*out, query[done:]])

@@ -40,6 +40,29 @@ def as_role(url: str, user: str, password: str | None) -> str:
     return urlunsplit(parts._replace(netloc=f"{auth}@{host}"))
 
 
+@contextmanager
+def worker_role(server_dsn: str, db_url: str) -> Iterator[str]:
+    """A login role granted what `pgskip grant --worker` grants: the URL of ``db_url`` as it;
+    dropped afterwards."""
+    from kombu_pgskip.grants import apply_grants, grant_statements
+
+    name, password = f"worker_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    role = sql.Identifier(name)
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(role, sql.Literal(password))
+        )
+    try:
+        dbname = db_url.rsplit("/", 1)[1]
+        apply_grants(db_url, grant_statements(dbname, "pgskip", workers=[name], publishers=[]))
+        yield as_role(db_url, name, password)
+    finally:
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(role))
+        with psycopg.connect(server_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP ROLE {}").format(role))
+
+
 def scalar(db_url: str, query: str, params: Any = None) -> Any:
     with psycopg.connect(db_url, autocommit=True) as conn:
         row = conn.execute(query, params).fetchone()

@@ -12,17 +12,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import psycopg
 import pytest
-from psycopg import sql
 
-from kombu_pgskip.grants import apply_grants, grant_statements
 from kombu_pgskip.health import HorizonMonitor, read_holders, read_ring_block
 from kombu_pgskip.store import NewMessage, Store
 from tests.helpers import FakeClock, finished_slot_behind
-from tests.safety_support import as_role
+from tests.safety_support import worker_role
 
 
 @pytest.fixture
@@ -499,27 +496,6 @@ def test_a_slot_behind_the_current_one_is_emptied_once_its_messages_have_run(
     assert _where(db_url, ids) == {0: 5}
 
 
-@contextmanager
-def _worker_role(server_dsn: str, db_url: str) -> Iterator[str]:
-    """A login role granted what `pgskip grant --worker` grants: the URL of ``db_url`` as it;
-    dropped afterwards."""
-    name, password = f"ring_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    role = sql.Identifier(name)
-    with psycopg.connect(server_dsn, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(role, sql.Literal(password))
-        )
-    try:
-        dbname = db_url.rsplit("/", 1)[1]
-        apply_grants(db_url, grant_statements(dbname, "pgskip", workers=[name], publishers=[]))
-        yield as_role(db_url, name, password)
-    finally:
-        with psycopg.connect(db_url, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP OWNED BY {}").format(role))
-        with psycopg.connect(server_dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP ROLE {}").format(role))
-
-
 def test_a_transaction_holding_the_slots_is_named_by_the_worker_past_the_threshold(
     store: Store, db_url: str, pg_server_dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -528,7 +504,7 @@ def test_a_transaction_holding_the_slots_is_named_by_the_worker_past_the_thresho
     as the role `pgskip grant` makes, names it once rotations have been refused for the
     threshold, repeats it at most once per threshold, and says nothing once it ended."""
     finished_slot_behind(store, db_url)
-    with _worker_role(pg_server_dsn, db_url) as worker_url:
+    with worker_role(pg_server_dsn, db_url) as worker_url:
         worker = Store(worker_url)
         clock = FakeClock()
         monitor = HorizonMonitor(worker, threshold=0.5, clock=clock)
