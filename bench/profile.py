@@ -59,11 +59,11 @@
 8. What the partitions of ``jobs`` cost a fetch (``--fetch-partitions`` runs only this): wall
    time and server CPU per ``ack_fetch`` as the event-loop fetcher runs it (prepared, its
    generic plan, asynchronous commit), each fetch taking the one message inserted before it
-   and acking the one before, against the same statement reading ``jobs_kept`` alone in place
-   of ``jobs`` (one partition, with the same indexes: what the statement costs on one table),
-   and against the statement an idle worker sends first (*one_slot*: the same statement with
-   ``slot =`` the current slot in every read of ``jobs``, which its plan reads alone; no acks,
-   the message before marked completed outside the timing). The message waits 10 ms before
+   and acking the one before, against the same statement with ``slot = 0`` in every read of
+   ``jobs``, which its plan reads ``jobs_kept`` alone for (one partition, with the same
+   indexes: what the statement costs on one table), and against the statement an idle worker
+   sends first (*one_slot*: ``slot =`` the current slot; no acks, the message before marked
+   completed outside the timing). The message waits 10 ms before
    its fetch (*idle*: the backend and this process asleep in
    between, as for a task that arrives at an idle worker) or not at all (*busy*). Medians of 5
    alternating rounds of 200 after 20.
@@ -304,17 +304,11 @@ def _round_medians(
     }
 
 
-def one_partition(query: bytes) -> bytes:
-    """``ack_fetch`` reading ``jobs_kept`` alone wherever it reads ``jobs``."""
-    text = query.decode()
-    for old, new in (
-        ('"pgskip".jobs AS ', '"pgskip".jobs_kept AS '),
-        ('"pgskip".jobs\n', '"pgskip".jobs_kept AS jobs\n'),
-    ):
-        text = text.replace(old, new)
-    if '"pgskip".jobs ' in text or '"pgskip".jobs\n' in text:
-        raise RuntimeError("ack_fetch reads jobs in a way one_partition does not rewrite")
-    return text.encode()
+def in_slot(fetcher: Any, slot: int) -> bytes:
+    """The fetcher's ``ack_fetch`` reading one slot of ``jobs`` wherever it reads ``jobs``, as
+    an idle worker sends it (``fetcher.py``): 0 is ``jobs_kept``, what the statement costs on
+    one table."""
+    return bytes(fetcher._slot_query.replace(b"{slot}", str(slot).encode()))
 
 
 def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str, Any]:
@@ -336,10 +330,8 @@ def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str
     for layout in ("partitioned", "one_partition", "one_slot"):
         fetcher = AsyncFetcher(url, schema="pgskip", asynchronous_commit=True,
                                connect_timeout=10)  # fmt: skip
-        if layout == "one_partition":
-            fetcher._query = one_partition(fetcher._query)
-        elif layout == "one_slot":
-            fetcher._query = fetcher._slot_query.replace(b"{slot}", str(current).encode())
+        if layout != "partitioned":
+            fetcher._query = in_slot(fetcher, 0 if layout == "one_partition" else current)
         fetcher.fileno()  # connects and prepares
         fetchers[layout] = fetcher
     # The message of a fetch from jobs_kept is written to its slot (0), the others to the
@@ -432,7 +424,7 @@ def _notified_round(
     fetcher = AsyncFetcher(url, schema="pgskip", asynchronous_commit=True, connect_timeout=10)
     probe = AsyncFetcher(url, schema="pgskip", asynchronous_commit=True, connect_timeout=10)
     if arm == "fetch_empty_jobs_kept":
-        probe._query = one_partition(probe._query)
+        probe._query = in_slot(probe, 0)
     poller = Poller(url, schema="pgskip", listen=True, connect_timeout=10)
     publisher: subprocess.Popen[bytes] | None = None
     try:
