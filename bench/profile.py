@@ -20,17 +20,17 @@
    batch) from a table of 60,000 pending rows; medians of 5 alternating rounds.
 5. End to end, where the CPU goes (``--e2e-cpu`` runs only this): an idle ``-P threads -c 4``
    worker, one publisher calling ``apply_async`` 3,000 times back to back, for each
-   ``fetch_cooldown`` in turn (fixed at 0, 0.002 and 0.005, and the default 0.002 adapting up to
-   ``fetch_cooldown_max`` 0.02; ``--e2e-cooldowns`` picks others; rounds alternate): the rate,
-   the worker's ``ack_fetch`` statements per task and the share of them that took nothing
-   (``pg_stat_statements``), CPU per task of the publisher, the worker's process tree and all
-   the database's client backends together (the publisher's, the worker's fetch, LISTEN and
-   heartbeat connections; utime + stime from ``/proc``), and the time from just before each
-   ``apply_async`` to the task's start (p50, p99) in that stream. ``--e2e-workers N`` runs N
-   such workers on the one queue (every notification then wakes all of them; their CPU is
-   summed). ``--e2e-gap S`` pauses S seconds after each ``apply_async`` (1,000 tasks then): a
-   trickle that leaves the workers idle between tasks, where every task wakes every idle
-   worker.
+   ``fetch_cooldown`` in turn (fixed at 0, 0.002 and 0.005, and the default 0.002 adapting up
+   to ``fetch_cooldown_max`` 0.02; ``--e2e-cooldowns`` picks others; rounds alternate): the
+   rate, the worker's ``ack_fetch`` statements per task and the share of them that took
+   nothing, its statements of acks alone per task (``pg_stat_statements``), CPU per task of the
+   publisher, the worker's process tree and all the database's client backends together (the
+   publisher's, the worker's fetch, LISTEN and heartbeat connections; utime + stime from
+   ``/proc``), and the time from just before each ``apply_async`` to the task's start (p50,
+   p99) in that stream. ``--e2e-workers N`` runs N such workers on the one queue (every
+   notification then wakes all of them; their CPU is summed). ``--e2e-gap S`` pauses S seconds
+   after each ``apply_async`` (1,000 tasks then): a trickle that leaves the workers idle
+   between tasks, where every task wakes every idle worker.
 6. Blocking kombu consumers (``--blocking`` runs only this): ``N`` processes each running a
    kombu ``Consumer`` (prefetch 10, acking each message) in a ``drain_events`` loop, as a
    ``ConsumerMixin`` does, on one queue; one kombu producer publishing 2,000 durable messages
@@ -582,9 +582,11 @@ def e2e_cpu(
                     "SELECT coalesce(sum(calls), 0), coalesce(sum(rows), 0) FROM pg_stat_statements"
                     " WHERE query LIKE 'WITH acked AS%%'"
                 ).fetchone()
+                acks = admin.execute(ACK_CALLS).fetchone()
                 row = {
                     "rate": n / (last - t0),
                     "fetches_per_task": float(fetches[0] if fetches else 0) / n,
+                    "acks_alone_per_task": float(acks[0] if acks else 0) / n,
                     # ack_fetch returns one row per message taken, and one message-less row
                     # when nothing was due: each task is taken once, the rest are empty fetches.
                     "empty_fetch_share": max(0.0, float(fetches[1]) - n)

@@ -259,10 +259,35 @@ class Dispatcher:
             self._queue_ack_flush()
 
     def _flush_tick(self) -> None:
-        """Write acks still waiting ``ACK_FLUSH_DELAY`` after the first was queued (with a
-        fetch, which also takes whatever arrived)."""
-        if self.acks_waiting():
+        """Write acks still waiting ``ACK_FLUSH_DELAY`` after the first was queued: with a
+        fetch, which also takes whatever arrived, or on their own where a fetch would find
+        nothing (``FetchPolicy.acks_alone``)."""
+        now = time.monotonic()
+        fetch = False
+        for channel in self._channels():
+            if len(channel.acks) and not self._send_acks_alone(channel, now):
+                fetch = True
+        if fetch:
             self.loop_drain()
+
+    def _send_acks_alone(self, channel: Channel, now: float) -> bool:
+        """Send ``channel``'s queued acks without a fetch, if a fetch would find nothing; the
+        reply comes to :meth:`_on_fetch_readable` as a fetch's does. False: not sent."""
+        fetcher = channel.own_fetcher()
+        if (
+            fetcher is None
+            or fetcher.in_flight
+            or not self.policy.acks_alone(channel.fetch_state, now)
+            or self.limits.due(list(channel._active_queues), now)
+        ):
+            return False
+        acks = channel.acks
+        pairs = acks.take()
+        with acks.writing(pairs):
+            fetcher.send_acks(pairs, channel.consumer_id)
+        acks.sent_with_fetch(pairs)
+        self.poller.watch(fetcher, fetcher.fileno(), self._on_fetch_readable, channel)
+        return True
 
     def on_notified(self) -> None:
         """The LISTEN connection is readable."""
@@ -550,6 +575,8 @@ class Dispatcher:
     ) -> list[FetchedRow]:
         acked, rows, limit = result
         channel.acks.fetch_returned(acked)
+        if not limit:
+            return []  # acks alone (AsyncFetcher.send_acks): nothing was fetched
         self.policy.fetched(
             channel.fetch_state,
             took=len(rows),

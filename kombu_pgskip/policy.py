@@ -56,9 +56,9 @@ REFILL_DELAY = 0.001
 
 #: Seconds an ack may wait for a fetch to carry it when nothing asks for a fetch sooner (a
 #: notification, or credit freed while messages were left behind for lack of it). While tasks
-#: stream in, the next notification's fetch writes it; on an idle worker one fetch this much
-#: later does. Unwritten acks only delay a row's ``completed``: a crash meanwhile redelivers,
-#: never loses.
+#: stream in, the next notification's fetch writes it; on an idle worker a flush this much
+#: later does (a fetch, or the acks alone: :meth:`FetchPolicy.acks_alone`). Unwritten acks
+#: only delay a row's ``completed``: a crash meanwhile redelivers, never loses.
 ACK_FLUSH_DELAY = 0.005
 
 #: A channel scans its queues from the beginning again once this many times the duration of its
@@ -423,6 +423,27 @@ class FetchPolicy:
         if not self.in_loop or state.starved:
             return Wake.FETCH
         return Wake.FLUSH if first else Wake.NONE
+
+    def acks_alone(self, state: ChannelState, now: float) -> bool:
+        """Whether the channel's queued acks, due to be written (``ACK_FLUSH_DELAY``), go on
+        their own rather than with a fetch (``AsyncFetcher.send_acks``): in the event loop,
+        with notifications and a fetch connection, when its last fetch left nothing behind
+        (not for lack of credit or byte budget, not as a small refill put off, not scanning
+        after its positions) and no notification for a consumed queue came since it was sent,
+        no wake-up asked for a fetch (a new consumer, a larger prefetch window) and no
+        scheduled message is to be promoted. A fetch would then find nothing: whatever makes a
+        message due announces it (a publish, a requeue, a promotion, a queue resumed, the
+        sweeper returning a dead consumer's messages), and the poll stays the backstop."""
+        return (
+            self.in_loop
+            and self.listen
+            and self.async_fetch
+            and not self.fetch_wanted
+            and state.sent_wake_seq == self.wake_seq
+            and not (state.more_due or state.starved or state.refill_deferred)
+            and not state.full_owed
+            and not self.promote_due(now)
+        )
 
     # -- notifications, promotion -------------------------------------------------------------
 

@@ -666,25 +666,38 @@ def _consuming_on_a_hub(
 @pytest.fixture
 def fetch_sends(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, int]]:
     """Every event-loop fetch sent, as (time.monotonic(), acks it carries)."""
+    return _record(monkeypatch, "send")
+
+
+@pytest.fixture
+def ack_sends(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, int]]:
+    """Every event-loop statement of acks alone sent, as (time.monotonic(), acks it writes)."""
+    return _record(monkeypatch, "send_acks")
+
+
+def _record(monkeypatch: pytest.MonkeyPatch, method: str) -> list[tuple[float, int]]:
     from kombu_pgskip.fetcher import AsyncFetcher
 
     sends: list[tuple[float, int]] = []
-    real_send = AsyncFetcher.send
+    real = getattr(AsyncFetcher, method)
 
     def recorded(self: AsyncFetcher, tags: Any, *args: Any, **kwargs: Any) -> None:
         sends.append((time.monotonic(), len(tags)))
-        real_send(self, tags, *args, **kwargs)
+        real(self, tags, *args, **kwargs)
 
-    monkeypatch.setattr(AsyncFetcher, "send", recorded)
+    monkeypatch.setattr(AsyncFetcher, method, recorded)
     return sends
 
 
 def test_on_an_event_loop_an_ack_rides_with_the_next_notifications_fetch(
-    db_url: str, monkeypatch: pytest.MonkeyPatch, fetch_sends: list[tuple[float, int]]
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    fetch_sends: list[tuple[float, int]],
+    ack_sends: list[tuple[float, int]],
 ) -> None:
     """An ack on an idle consumer (nothing left behind for lack of credit) does not cost a
-    fetch of its own: the fetch a notification triggers writes it, or one fetch
-    ``ACK_FLUSH_DELAY`` later if nothing arrives."""
+    fetch of its own: the fetch a notification triggers writes it, or, if nothing arrives,
+    the ``ack`` statement alone ``ACK_FLUSH_DELAY`` later (a fetch would find nothing)."""
     from kombu_pgskip import policy as policy_module
 
     monkeypatch.setattr(policy_module, "ACK_FLUSH_DELAY", 0.5)  # an order the test can see
@@ -714,7 +727,8 @@ def test_on_an_event_loop_an_ack_rides_with_the_next_notifications_fetch(
         _run_until(hub, lambda: _statuses(db_url) == ["completed"] * 2)
         assert _statuses(db_url) == ["completed"] * 2, "a lone ack is written by a timer"
         assert time.monotonic() - started < 10
-        assert [acks for _, acks in fetch_sends] == [1, 1]
+        assert [acks for _, acks in fetch_sends] == [1], "without a fetch"
+        assert [acks for _, acks in ack_sends] == [1]
 
 
 def test_an_ack_frees_credit_for_messages_left_behind_at_once(db_url: str) -> None:
@@ -755,6 +769,74 @@ def test_a_notification_during_a_fetch_in_flight_is_not_lost(db_url: str) -> Non
         _run_until(hub, lambda: len(received) == 1, timeout=5)
         assert len(received) == 1, "delivered without waiting for the 30 s poll"
         assert time.monotonic() - started < 5
+
+
+def test_a_notification_while_acks_go_alone_is_fetched_after_their_reply(
+    db_url: str, ack_sends: list[tuple[float, int]]
+) -> None:
+    """Acks sent alone (nothing was due) are in flight when a message is announced: once
+    their reply is in, the loop fetches, as after a fetch in flight."""
+    queue = Queue("alone", Exchange("alone"), "alone")
+    with (
+        Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn,
+        _consuming_on_a_hub(conn, queue, 4) as (channel, received, hub),
+    ):
+        transport = conn.transport
+        _publish(conn, queue, 1)
+        _run_until(hub, lambda: len(received) == 1)
+        _run_until(hub, lambda: False, timeout=0.2)  # settled: no fetch in flight or queued
+        _stop_heartbeat(conn)
+        received[0].ack()
+        transport.dispatcher._flush_tick()  # the flush: acks alone, in flight
+        assert [acks for _, acks in ack_sends] == [1] and channel.fetcher.in_flight
+        _publish(conn, queue, 1)
+        listener = transport.dispatcher.poller.listener
+        assert listener is not None
+        select.select([listener.pgconn.socket], [], [], 5)
+        transport.dispatcher.on_notified()  # the notification, before the acks' reply
+        started = time.monotonic()
+        _run_until(hub, lambda: len(received) == 2, timeout=5)
+        assert len(received) == 2, "delivered without waiting for the 30 s poll"
+        assert time.monotonic() - started < 5
+        assert _statuses(db_url) == ["completed", "running"]
+
+
+def test_acks_alone_lost_with_their_connection_are_written_by_the_next_statement(
+    db_url: str, ack_sends: list[tuple[float, int]], fetch_sends: list[tuple[float, int]]
+) -> None:
+    """The fetch connection dies while acks sent alone are in flight: the error reaches the
+    loop (Celery reconnects), the acks are queued again, and the next statement writes them."""
+    queue = Queue("alone_lost", Exchange("alone_lost"), "alone_lost")
+    with (
+        Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn,
+        _consuming_on_a_hub(conn, queue, 4) as (channel, received, hub),
+    ):
+        transport = conn.transport
+        for n in (1, 2):  # the first ack prepares the statement, the second goes out on it
+            _publish(conn, queue, 1)
+            _run_until(hub, lambda n=n: len(received) == n)  # type: ignore[misc]
+            _run_until(hub, lambda: False, timeout=0.2)
+        _stop_heartbeat(conn)
+        received[0].ack()
+        _run_until(hub, lambda: _statuses(db_url) == ["completed", "running"])
+        assert len(ack_sends) == 1
+        received[1].ack()
+        fetcher = channel.fetcher
+        with psycopg.connect(db_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (fetcher._conn.info.backend_pid,))
+        transport.dispatcher._flush_tick()
+        assert len(ack_sends) == 2 and fetcher.in_flight
+        with pytest.raises(psycopg.OperationalError):
+            select.select([fetcher.fileno()], [], [], 5)
+            transport.dispatcher._on_fetch_readable(channel)
+        assert len(channel.acks) == 1, "queued again"
+        assert _statuses(db_url) == ["completed", "running"]
+        fetch_sends.clear()
+        transport.register_with_event_loop(conn.connection, hub)  # as Celery, reconnected
+        _run_until(hub, lambda: _statuses(db_url) == ["completed"] * 2, timeout=5)
+        assert _statuses(db_url) == ["completed"] * 2
+        assert channel.fetcher is not fetcher
+        assert [acks for _, acks in fetch_sends] == [1]
 
 
 def test_notifications_within_the_fetch_cooldown_share_one_fetch(

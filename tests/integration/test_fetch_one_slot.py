@@ -1,6 +1,6 @@
 """An idle worker's fetch reads the slot of ``jobs`` new messages go to first, and every slot
 when nothing is there (``fetcher.py``): a message anywhere in the ring is still taken by the
-same fetch."""
+same fetch. Its acks can go alone, without a fetch."""
 
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ def _idle(fetcher: AsyncFetcher, store: Store, me: uuid.UUID) -> None:
 
 
 def test_an_idle_fetch_reads_the_slot_new_messages_go_to_alone(store: Store, db_url: str) -> None:
-    """The fetch after an empty one, with no acks to write, runs the statement on one slot: its
+    """The fetch after one that left nothing behind (here an empty one), with no acks to write,
+    runs the statement on one slot: its
     plan reads that partition of jobs and no other, and it takes the new message in one round
     trip. The fetch after it, which carries the ack, reads every slot again."""
     fetcher = AsyncFetcher(db_url, schema="pgskip", asynchronous_commit=False, connect_timeout=5)
@@ -92,24 +93,17 @@ def test_an_idle_fetch_reads_the_slot_new_messages_go_to_alone(store: Store, db_
         fetcher.close()
 
 
-@pytest.mark.parametrize(
-    ("prepared", "keep_completed", "as_worker"),
-    [(True, True, False), (False, True, False), (True, False, False), (True, True, True)],
+@pytest.fixture(
+    params=[(True, True, False), (False, True, False), (True, False, False), (True, True, True)],
     ids=["prepared", "statement-text", "acks-delete", "worker-role"],
 )
-def test_a_message_in_another_slot_is_taken_by_the_same_fetch(
-    store: Store,
-    db_url: str,
-    pg_server_dsn: str,
-    prepared: bool,
-    keep_completed: bool,
-    as_worker: bool,
-) -> None:
-    """The ring moved on while the worker was idle: the slot it looks in first holds nothing
-    due, so the statement on every slot follows at once and takes the message; the next idle
-    fetch looks in the new slot. A message due in an older slot (returned to its queue, a
-    countdown) is taken the same way. As the role `pgskip grant --worker` makes too: the
-    statement on one slot needs no privilege the fetch does not."""
+def each_fetcher(
+    request: pytest.FixtureRequest, db_url: str, pg_server_dsn: str
+) -> Iterator[AsyncFetcher]:
+    """A fetcher with prepared statements or statement text (PgBouncer), acks that mark
+    completed or delete, and as the role `pgskip grant --worker` makes: the statements on one
+    slot and the acks alone need no privilege the fetch does not."""
+    prepared, keep_completed, as_worker = request.param
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(worker_role(pg_server_dsn, db_url)) if as_worker else db_url
         fetcher = AsyncFetcher(
@@ -121,7 +115,17 @@ def test_a_message_in_another_slot_is_taken_by_the_same_fetch(
             connect_timeout=5,
         )
         stack.callback(fetcher.close)
-        _ring_moved_on(fetcher, store, db_url, prepared=prepared)
+        yield fetcher
+
+
+def test_a_message_in_another_slot_is_taken_by_the_same_fetch(
+    store: Store, db_url: str, each_fetcher: AsyncFetcher
+) -> None:
+    """The ring moved on while the worker was idle: the slot it looks in first holds nothing
+    due, so the statement on every slot follows at once and takes the message; the next idle
+    fetch looks in the new slot. A message due in an older slot (returned to its queue, a
+    countdown) is taken the same way."""
+    _ring_moved_on(each_fetcher, store, db_url, prepared=each_fetcher._prepared)
 
 
 def _ring_moved_on(fetcher: AsyncFetcher, store: Store, db_url: str, *, prepared: bool) -> None:
@@ -197,6 +201,35 @@ def test_a_fetcher_that_lost_the_race_reads_every_slot_until_it_takes_a_message(
         assert _executions(fetcher) == {"pgskip_ack_fetch": 6, slot: 2}
     finally:
         fetcher.close()
+
+
+def test_acks_alone_are_written_fenced_and_the_next_fetch_still_looks_in_one_slot(
+    store: Store, db_url: str, each_fetcher: AsyncFetcher
+) -> None:
+    """``send_acks`` writes the acks with the ``ack`` statement and fetches nothing; an ack of
+    a delivery no longer this consumer's changes nothing. The fetch that took the message took
+    less than it asked for, so the next one, with no acks to carry, looks in one slot."""
+    fetcher, me = each_fetcher, uuid.uuid4()
+    keep_completed = fetcher._ack_statement == b"pgskip_ack"
+    _publish(store, 0)
+    _, rows = _fetch(fetcher, [], me)
+    assert len(rows) == 1
+    tag = rows[0].tag
+    fetcher.send_acks([tag, (tag[0], tag[1] + 1)], me)  # the second: a stale delivery
+    assert fetcher.wait() == (1, [], 0)
+    with psycopg.connect(db_url) as conn:
+        left = conn.execute("SELECT status::text FROM pgskip.jobs WHERE id = %s", (tag[0],))
+        assert left.fetchall() == ([("completed",)] if keep_completed else [])
+    fetcher.send_acks([tag], me)  # written already
+    assert fetcher.wait() == (0, [], 0)
+
+    slot = _current_slot(db_url)
+    _publish(store, 1)
+    _, rows = _fetch(fetcher, [], me)
+    assert [r.payload for r in rows] == [{"i": 1}]
+    if fetcher._prepared:
+        name, ack = fetcher._statement.decode(), fetcher._ack_statement.decode()
+        assert _executions(fetcher) == {name: 1, ack: 2, f"{name}_slot_{slot}": 1}
 
 
 def test_a_new_connection_reads_every_slot_first(store: Store, db_url: str) -> None:

@@ -111,6 +111,48 @@ def test_only_notified_fetches_adapt_the_cooldown() -> None:
     assert policy.cooldown.value == 0.01
 
 
+def test_acks_go_alone_only_while_a_fetch_would_find_nothing() -> None:
+    def drained(policy: FetchPolicy) -> ChannelState:
+        """A channel whose last fetch, sent at 1.0, took less than it asked for."""
+        state = ChannelState()
+        policy.sent(state, now=1.0)
+        policy.fetched(state, took=1, filled=False, now=1.001)
+        return state
+
+    policy = _policy(polling_interval=30.0)
+    policy.in_loop = True
+    policy.promoted(1.0, next_in=None)
+    state = drained(policy)
+    assert policy.acks_alone(state, 2.0)
+    # A notification since the fetch was sent: its message may be waiting.
+    policy.notified(now=1.5)
+    assert not policy.acks_alone(state, 2.0)
+    # Messages left behind: the limit, the byte budget, no credit, a refill put off.
+    for left in ("more_due", "starved", "refill_deferred"):
+        state = drained(policy)
+        setattr(state, left, True)
+        assert not policy.acks_alone(state, 2.0), left
+    # A fetch that scanned after its positions and came back short owes one from the start.
+    state = drained(policy)
+    state.full_owed = True
+    assert not policy.acks_alone(state, 2.0)
+    # A wake-up asked for a fetch (a new consumer): the fetch it asked for.
+    state = drained(policy)
+    policy.fetch_wanted = True
+    assert not policy.acks_alone(state, 2.0)
+    policy.fetch_wanted = False
+    # A scheduled message to promote: the fetch that promotes it.
+    state = drained(policy)
+    policy.scheduled(2.0, due_in=0.5)
+    assert policy.acks_alone(state, 2.4) and not policy.acks_alone(state, 2.5)
+    # Outside an event loop, polling only, or without a fetch connection: always a fetch.
+    for options in ({}, {"listen": False}, {"async_fetch": False}):
+        other = _policy(polling_interval=30.0, **options)
+        other.in_loop = bool(options)
+        other.promoted(1.0, next_in=None)
+        assert not other.acks_alone(drained(other), 2.0), options
+
+
 def test_no_ack_queues_are_skipped_only_in_the_event_loop_with_notifications() -> None:
     state = ChannelState(noack_due=False)
     looped = _policy()
