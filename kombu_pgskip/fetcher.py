@@ -110,7 +110,7 @@ class AsyncFetcher:
         self._classifying = exceptions.classifying(url_for_messages=self._where)
         self._conn: psycopg.Connection[Any] | None = None
         self._pid = os.getpid()
-        self._sent: int | None = None  # the limit of the fetch in flight
+        self._sent: int | None = None  # the limit of the fetch in flight (0: acks alone)
         # Whether the last fetch saw a due message in one of the urgent queues it was given.
         self.urgent = False
         queries = queries_for(schema)
