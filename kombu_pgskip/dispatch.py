@@ -254,6 +254,7 @@ class Dispatcher:
         self.poller.drain_wake()
         if self.policy.fetch_wanted:
             self.policy.fetch_wanted = False
+            self.policy.wanted_seq += 1
             self.loop_drain()
         else:
             self._queue_ack_flush()

@@ -231,6 +231,8 @@ class ChannelState:
     #: notification had come since the fetch before (then what it finds adapts the cooldown).
     sent_wake_seq: int = 0
     notified_fetch: bool = False
+    #: :attr:`FetchPolicy.wanted_seq` when its fetch in flight was sent.
+    sent_wanted_seq: int = 0
     #: Where its next fetch of each queue may start: the last message it took there.
     positions: dict[str, Position] = field(default_factory=dict)
     #: Its fetch in flight scans after ``positions`` (else from the beginning).
@@ -285,6 +287,10 @@ class FetchPolicy:
     next_promote: float = 0.0
     #: A wake-up asked for a fetch (not only for acks to be written).
     fetch_wanted: bool = False
+    #: Counts the fetches such wake-ups asked for (a new consumer, a larger prefetch window):
+    #: one asked while a channel's fetch is in flight (sent without what it asked for) calls
+    #: for another right after it.
+    wanted_seq: int = 0
     #: What the last batch over every channel found: a channel filled its limit; a channel put
     #: a small refill off; the earliest scan from the beginning a channel owes (monotonic s).
     more_due: bool = False
@@ -372,6 +378,7 @@ class FetchPolicy:
         """The channel's fetch was sent (on a fetch connection) at ``now``."""
         state.notified_fetch = state.sent_wake_seq != self.wake_seq
         state.sent_wake_seq = self.wake_seq
+        state.sent_wanted_seq = self.wanted_seq
         self.last_fetch = now
 
     def fetched(
@@ -402,8 +409,8 @@ class FetchPolicy:
             self.cooldown.observe(took)
 
     def after_loop_fetch(self, state: ChannelState, *, acks_waiting: bool) -> Next:
-        if state.more_due:
-            return Next.DRAIN
+        if state.more_due or state.sent_wanted_seq != self.wanted_seq:
+            return Next.DRAIN  # more may be due, or a fetch was asked for while it was in flight
         if state.sent_wake_seq != self.wake_seq:
             # A notification arrived after the statement was sent (its message may have
             # committed after the fetch's snapshot): fetch again once cooled down.

@@ -839,6 +839,35 @@ def test_acks_alone_lost_with_their_connection_are_written_by_the_next_statement
         assert [acks for _, acks in fetch_sends] == [1]
 
 
+def test_a_queue_consumed_while_a_fetch_is_in_flight_is_fetched_after_its_reply(
+    db_url: str,
+) -> None:
+    """A consumer added while the channel's fetch is in flight (Celery's ``add_consumer``):
+    that fetch was sent without the new queue, so once its reply is in the loop fetches
+    again, rather than leaving a message already waiting there to the poll."""
+    first = Queue("first", Exchange("first"), "first")
+    second = Queue("second", Exchange("second"), "second")
+    with (
+        Connection(_broker(db_url), transport_options={"polling_interval": 30}) as conn,
+        _consuming_on_a_hub(conn, first, 4) as (channel, received, hub),
+    ):
+        transport = conn.transport
+        _publish(conn, second, 1)  # announced before anyone consumes it
+        _run_until(hub, lambda: channel.fetcher is not None and not channel.fetcher.in_flight)
+        _run_until(hub, lambda: False, timeout=0.2)
+        transport.dispatcher.loop_drain()  # a fetch of the (empty) first queue is in flight
+        assert channel.fetcher.in_flight
+        Consumer(
+            channel, [second], callbacks=[lambda body, m: received.append(m)], prefetch_count=4
+        ).consume()
+        assert channel.fetcher.in_flight
+        transport.dispatcher._on_wake()  # the wake-up it asked for, before the reply
+        started = time.monotonic()
+        _run_until(hub, lambda: len(received) == 1, timeout=5)
+        assert len(received) == 1, "delivered without waiting for the 30 s poll"
+        assert time.monotonic() - started < 5
+
+
 def test_notifications_within_the_fetch_cooldown_share_one_fetch(
     db_url: str, fetch_sends: list[tuple[float, int]]
 ) -> None:

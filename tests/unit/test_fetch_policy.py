@@ -90,6 +90,20 @@ def test_a_notification_during_a_fetch_calls_for_another_after_the_cooldown() ->
     assert policy.cooldown_left(101.02) < 0
 
 
+def test_a_fetch_asked_for_while_one_is_in_flight_follows_it_at_once() -> None:
+    """A wake-up that asked for a fetch (a new consumer) while the channel's fetch was in
+    flight: that fetch was sent without what it asked for, so another follows its reply."""
+    policy = _policy()
+    state = ChannelState()
+    policy.sent(state, now=1.0)
+    policy.wanted_seq += 1  # the wake-up, handled while the fetch is in flight
+    policy.fetched(state, took=0, filled=False, now=1.001)
+    assert policy.after_loop_fetch(state, acks_waiting=False) is Next.DRAIN
+    policy.sent(state, now=1.002)
+    policy.fetched(state, took=0, filled=False, now=1.003)
+    assert policy.after_loop_fetch(state, acks_waiting=False) is Next.NOTHING
+
+
 def test_only_notified_fetches_adapt_the_cooldown() -> None:
     policy = _policy(fetch_cooldown=0.01, fetch_cooldown_max=0.08)
     state = ChannelState()
