@@ -274,6 +274,8 @@ class Dispatcher:
     def _send_acks_alone(self, channel: Channel, now: float) -> bool:
         """Send ``channel``'s queued acks without a fetch, if a fetch would find nothing; the
         reply comes to :meth:`_on_fetch_readable` as a fetch's does. False: not sent."""
+        if not channel._consumers:
+            return False  # the loop's drain writes them (Channel.flush_acks)
         fetcher = channel.own_fetcher()
         if (
             fetcher is None
