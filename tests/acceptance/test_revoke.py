@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+import kombu
 import psycopg
 import pytest
 from celery import Celery
@@ -30,7 +31,10 @@ def app(broker_url: str, backend: str) -> Iterator[Celery]:
     app = Celery("revoking", broker=broker_url, backend=backend, set_as_current=False)
     app.conf.task_default_queue = "default"
     yield app
+    # As in test_remote_control: app.close() leaves the pooled connection that app.control
+    # used in kombu's process-wide pools, its lease heartbeat running until the process exits.
     app.close()
+    kombu.pools.reset()
 
 
 def _worker(broker_url: str, backend: str, name: str) -> CeleryWorker:
