@@ -210,11 +210,7 @@ class AsyncFetcher:
         costs the server about half of an ``ack_fetch`` that finds nothing."""
         if self._sent is not None:
             raise RuntimeError("a fetch is already in flight")
-        values = {
-            "ids": array_literal([t[0] for t in tags]),
-            "deliveries": array_literal([t[1] for t in tags]),
-            "consumer": str(consumer).encode(),
-        }
+        values = _ack_values(tags, consumer)
         self._send([values[n] for n in self._ack_order], self._ack_statement, self._ack_query)
         self._sent, self._acks_only = 0, True
 
@@ -259,13 +255,10 @@ class AsyncFetcher:
         after: Sequence[Position] | None = None,
     ) -> list[bytes]:
         """The statement's parameters for :meth:`send`'s arguments, in its order, as text."""
-        values = {
-            "ids": array_literal([t[0] for t in tags]),
-            "deliveries": array_literal([t[1] for t in tags]),
+        values = _ack_values(tags, consumer) | {
             "queues": array_literal(list(queues)),
             "limit": str(max(limit, 0)).encode(),
             "max_bytes": self._max_bytes,
-            "consumer": str(consumer).encode(),
             "urgent": array_literal(list(urgent)),
         }
         values |= {k: array_literal(v) for k, v in scan_params(queues, after).items()}
@@ -372,6 +365,15 @@ class AsyncFetcher:
             self._conn, self._sent = None, None
             return
         self._drop()
+
+
+def _ack_values(tags: Sequence[tuple[int, int]], consumer: uuid.UUID) -> dict[str, bytes]:
+    """The acks' parameters, as text: those ``ack`` takes, and the first of ``ack_fetch``."""
+    return {
+        "ids": array_literal([t[0] for t in tags]),
+        "deliveries": array_literal([t[1] for t in tags]),
+        "consumer": str(consumer).encode(),
+    }
 
 
 def _one_slot(query: bytes, schema: str) -> bytes:
