@@ -336,7 +336,7 @@ class Dispatcher:
             raise
         if result is None:
             return
-        rows = self._fetched(channel, result)
+        rows = self._fetched(channel, fetcher, result)
         if channel.closed:  # closed meanwhile: never delivered
             if rows:
                 channel.settle("requeue", [make_tag(r.id, r.delivery) for r in rows])
@@ -571,10 +571,10 @@ class Dispatcher:
         except BaseException:
             channel.acks.fetch_failed()
             raise
-        return [] if result is None else self._fetched(channel, result)
+        return [] if result is None else self._fetched(channel, fetcher, result)
 
     def _fetched(
-        self, channel: Channel, result: tuple[int, list[FetchedRow], int]
+        self, channel: Channel, fetcher: AsyncFetcher, result: tuple[int, list[FetchedRow], int]
     ) -> list[FetchedRow]:
         acked, rows, limit = result
         channel.acks.fetch_returned(acked)
@@ -586,6 +586,7 @@ class Dispatcher:
             filled=fetch_filled(rows, limit),
             now=time.monotonic(),
             last=last_positions(rows),
+            one_slot=fetcher.read_one_slot,
         )
         return rows
 

@@ -27,7 +27,8 @@ one statement a notification, as it would without the look.
 
 **Acks alone.** The acks of an idle worker's last tasks wait for the next fetch, or for a
 flush a few milliseconds later (``policy.ACK_FLUSH_DELAY``). When the consumer knows that
-fetch would find nothing (its last fetch left nothing behind and no notification came since),
+fetch would find nothing (its last fetch read every slot and left nothing behind, and no
+notification came since: ``FetchPolicy.acks_alone``),
 :meth:`AsyncFetcher.send_acks` writes them with the ``ack`` statement alone, on the same
 connection and without blocking the loop either.
 """
@@ -140,6 +141,13 @@ class AsyncFetcher:
     @property
     def in_flight(self) -> bool:
         return self._sent is not None
+
+    @property
+    def read_one_slot(self) -> bool:
+        """Whether the fetch whose rows :meth:`poll` returned last read one slot of ``jobs``
+        alone (the look, which took something): a message due in another slot, announced by
+        the same notification, may still wait."""
+        return self._in_slot != 0
 
     def _pgconn(self) -> pq.abc.PGconn:
         return self._connection().pgconn

@@ -247,6 +247,9 @@ class ChannelState:
     #: Its last fetch scanned after the positions and came back short: one from the beginning
     #: is owed (at :meth:`FetchPolicy.full_scan_at`) before it may wait for a wake-up.
     full_owed: bool = False
+    #: Its last fetch read one slot of ``jobs`` alone (an idle fetcher's look, ``fetcher.py``)
+    #: and took something: a message due in another slot may still wait.
+    one_slot: bool = False
 
 
 class Next(enum.Enum):
@@ -389,11 +392,14 @@ class FetchPolicy:
         filled: bool,
         now: float,
         last: Mapping[str, Position] | None = None,
+        one_slot: bool = False,
     ) -> None:
         """The channel's fetch came back at ``now`` with ``took`` rows; ``filled``: it stopped
         at its limit or byte budget, so due messages may be left behind; ``last``: the
-        position of the last message it took from each queue."""
+        position of the last message it took from each queue; ``one_slot``: it read one slot
+        of ``jobs`` alone."""
         state.more_due = state.starved = filled
+        state.one_slot = one_slot
         if state.scans_after:
             state.full_owed = state.full_owed or not filled
         else:
@@ -434,13 +440,16 @@ class FetchPolicy:
     def acks_alone(self, state: ChannelState, now: float) -> bool:
         """Whether the channel's queued acks, due to be written (``ACK_FLUSH_DELAY``), go on
         their own rather than with a fetch (``AsyncFetcher.send_acks``): in the event loop,
-        with notifications and a fetch connection, when its last fetch left nothing behind
-        (not for lack of credit or byte budget, not as a small refill put off, not scanning
-        after its positions) and no notification for a consumed queue came since it was sent,
-        no wake-up asked for a fetch (a new consumer, a larger prefetch window) and no
-        scheduled message is to be promoted. A fetch would then find nothing: whatever makes a
-        message due announces it (a publish, a requeue, a promotion, a queue resumed, the
-        sweeper returning a dead consumer's messages), and the poll stays the backstop."""
+        with notifications and a fetch connection, when its last fetch read every slot and left
+        nothing behind (not for lack of credit or byte budget, not as a small refill put off,
+        not scanning after its positions), no notification for a consumed queue came since it
+        was sent, no wake-up asked for a fetch (a new consumer, a larger prefetch window) and
+        no scheduled message is to be promoted. A fetch would then find nothing: whatever makes
+        a message due announces it (a publish, a requeue, a promotion, a queue resumed, the
+        sweeper returning a dead consumer's messages), and the poll stays the backstop. After
+        a look in one slot that took a message the acks go with a fetch on every slot: the
+        notification it answered may also have announced a message due elsewhere (the sweeper
+        returns messages and promotes others with one notification per queue)."""
         return (
             self.in_loop
             and self.listen
@@ -449,6 +458,7 @@ class FetchPolicy:
             and state.sent_wake_seq == self.wake_seq
             and not (state.more_due or state.starved or state.refill_deferred)
             and not state.full_owed
+            and not state.one_slot
             and not self.promote_due(now)
         )
 

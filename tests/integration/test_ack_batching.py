@@ -801,6 +801,45 @@ def test_a_notification_while_acks_go_alone_is_fetched_after_their_reply(
         assert _statuses(db_url) == ["completed", "running"]
 
 
+def test_a_message_due_elsewhere_announced_with_one_in_the_slot_is_not_left_to_the_poll(
+    db_url: str,
+) -> None:
+    """The sweeper returns messages and promotes others with one notification per queue, so
+    one notification can announce a message in the slot an idle consumer looks in first and
+    one in another slot. The look takes the first; its ack then goes with a fetch on every
+    slot, which takes the other, and not alone, which would leave it to the poll."""
+    queue = Queue("twoslots", Exchange("twoslots"), "twoslots")
+    options = {"polling_interval": 30}
+    with (
+        Connection(_broker(db_url), transport_options=options) as conn,
+        _consuming_on_a_hub(conn, queue, 4) as (_channel, received, hub),
+    ):
+        _publish(conn, queue, 1)
+        _run_until(hub, lambda: len(received) == 1)
+        received[0].ack()
+        _run_until(hub, lambda: False, timeout=0.3)  # the ack written: the consumer is idle
+        with psycopg.connect(db_url, autocommit=True) as admin:
+            row = admin.execute("SELECT pgskip.current_slot(), payload::text FROM pgskip.jobs")
+            slot, body = row.fetchone() or (0, "")
+            with admin.transaction():
+                for where in (slot % 8 + 1, slot):  # returned in another slot; promoted here
+                    admin.execute(
+                        "INSERT INTO pgskip.jobs (queue, payload, slot) "
+                        "VALUES ('twoslots', %s::json, %s)",
+                        (body, where),
+                    )
+                admin.execute("SELECT pg_notify('pgskip:pgskip', 'twoslots')")
+
+        def acked_all() -> bool:
+            for message in received:
+                if not message.acknowledged:
+                    message.ack()
+            return len(received) == 3
+
+        _run_until(hub, acked_all, timeout=5)
+        assert len(received) == 3, "the message in the other slot waited for the poll"
+
+
 def test_acks_alone_lost_with_their_connection_are_written_by_the_next_statement(
     db_url: str, ack_sends: list[tuple[float, int]], fetch_sends: list[tuple[float, int]]
 ) -> None:

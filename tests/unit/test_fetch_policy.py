@@ -150,6 +150,13 @@ def test_acks_go_alone_only_while_a_fetch_would_find_nothing() -> None:
     state = drained(policy)
     state.full_owed = True
     assert not policy.acks_alone(state, 2.0)
+    # A look in one slot that took a message: one due in another slot may wait.
+    state = ChannelState()
+    policy.sent(state, now=1.0)
+    policy.fetched(state, took=1, filled=False, now=1.001, one_slot=True)
+    assert not policy.acks_alone(state, 2.0)
+    policy.fetched(state, took=0, filled=False, now=1.5)  # then every slot: nothing left
+    assert policy.acks_alone(state, 2.0)
     # A wake-up asked for a fetch (a new consumer): the fetch it asked for.
     state = drained(policy)
     policy.fetch_wanted = True
