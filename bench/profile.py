@@ -62,9 +62,9 @@
    and acking the one before, against the same statement with ``slot = 0`` in every read of
    ``jobs``, which its plan reads ``jobs_kept`` alone for (one partition, with the same
    indexes: what the statement costs on one table), and against the statement an idle worker
-   sends first (*one_slot*: ``slot =`` the current slot; no acks, the message before marked
-   completed outside the timing). The message waits 10 ms before
-   its fetch (*idle*: the backend and this process asleep in
+   sends for a message a notification named (*named*: ``take_announced``, the message by its
+   id on its slot; no acks, the message before marked completed outside the timing). The
+   message waits 10 ms before its fetch (*idle*: the backend and this process asleep in
    between, as for a task that arrives at an idle worker) or not at all (*busy*). Medians of 5
    alternating rounds of 200 after 20.
 
@@ -306,9 +306,11 @@ def _round_medians(
 
 def in_slot(fetcher: Any, slot: int) -> bytes:
     """The fetcher's ``ack_fetch`` reading one slot of ``jobs`` wherever it reads ``jobs``, as
-    an idle worker sends it (``fetcher.py``): 0 is ``jobs_kept``, what the statement costs on
-    one table."""
-    return bytes(fetcher._slot_query.replace(b"{slot}", str(slot).encode()))
+    the take by id does (``fetcher.py``): 0 is ``jobs_kept``, what the statement costs on one
+    table."""
+    from kombu_pgskip.fetcher import _one_slot
+
+    return _one_slot(fetcher._query, "pgskip").replace(b"{slot}", str(slot).encode())
 
 
 def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str, Any]:
@@ -327,16 +329,16 @@ def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str
         row = admin.execute("SELECT pgskip.current_slot()").fetchone()
         current = int(row[0]) if row else 1
     fetchers: dict[str, AsyncFetcher] = {}
-    for layout in ("partitioned", "one_partition", "one_slot"):
+    for layout in ("partitioned", "one_partition", "named"):
         fetcher = AsyncFetcher(url, schema="pgskip", asynchronous_commit=True,
                                connect_timeout=10)  # fmt: skip
-        if layout != "partitioned":
-            fetcher._query = in_slot(fetcher, 0 if layout == "one_partition" else current)
+        if layout == "one_partition":
+            fetcher._query = in_slot(fetcher, 0)
         fetcher.fileno()  # connects and prepares
         fetchers[layout] = fetcher
     # The message of a fetch from jobs_kept is written to its slot (0), the others to the
     # current slot (nothing rotates the ring here).
-    slot = {"partitioned": "pgskip.current_slot()", "one_partition": "0", "one_slot": str(current)}
+    slot = {"partitioned": "pgskip.current_slot()", "one_partition": "0", "named": str(current)}
     samples: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     try:
         with psycopg.connect(url, autocommit=True) as admin:
@@ -350,20 +352,23 @@ def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str
                         walls: list[float] = []
                         cpu = 0.0
                         for i in range(calls + 20):
-                            admin.execute(
+                            row = admin.execute(
                                 "INSERT INTO pgskip.jobs (queue, payload, slot) "
-                                f"VALUES ('partitions', %s::json, {slot[layout]})",
+                                f"VALUES ('partitions', %s::json, {slot[layout]}) "
+                                "RETURNING id, slot",
                                 (payload,),
-                            )
+                            ).fetchone()
+                            assert row is not None
+                            named = (int(row[0]), int(row[1])) if layout == "named" else None
                             if gap:
                                 time.sleep(gap)
                             b0, w0 = _backend_cpu_s(pid), time.perf_counter()
-                            fetcher.send(tags, ["partitions"], 4, consumer)
+                            fetcher.send(tags, ["partitions"], 4, consumer, named=named)
                             result = fetcher.wait()
                             w1, b1 = time.perf_counter(), _backend_cpu_s(pid)
                             assert result is not None and len(result[1]) == 1, result
                             tags = [r.tag for r in result[1]]
-                            if layout == "one_slot":  # an idle worker's fetch carries no acks
+                            if layout == "named":  # an idle worker's take carries no acks
                                 admin.execute(
                                     "UPDATE pgskip.jobs SET status = 'completed' WHERE id = %s",
                                     (tags[0][0],),

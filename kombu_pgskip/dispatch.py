@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import policy as fetch_policy
 from .envelope import decode_problem, make_tag, parse_tag, to_message
-from .policy import FetchPolicy, LimitGate, Next, Wake
+from .policy import Announced, FetchPolicy, LimitGate, Next, Wake
 from .poller import Poller, Ready
 from .store import START, FetchedRow, fetch_filled, last_positions
 
@@ -47,6 +47,8 @@ class Dispatcher:
         self.options = options
         self.policy = FetchPolicy.of(options)
         self.limits = LimitGate(options.polling_interval)
+        #: What notifications named since each queue's last fetch (the event loop's thread).
+        self.announced = Announced()
         #: When the timer set for the next limited fetch fires (event loop), if one is set.
         self._limits_timer: float | None = None
         self.poller = Poller(
@@ -128,8 +130,13 @@ class Dispatcher:
         now = time.monotonic()
         if notes.scheduled_in is not None:
             self.policy.scheduled(now, notes.scheduled_in)
-        queues = notes.queues & self.consumed_queues()
+        consumed = self.consumed_queues()
+        queues = notes.queues & consumed
         if queues:
+            self.announced.heard(
+                {q: named for q, named in notes.named.items() if q in consumed},
+                notes.plain & consumed,
+            )
             self.limits.notified(queues)
             self.policy.notified(now)
             for channel in self._channels():
@@ -234,6 +241,7 @@ class Dispatcher:
             poll_interval=self.options.polling_interval,
         )
         self._noack_all_due()  # what came while nobody listened
+        self.announced.forget()
         self._queue_drain()
 
     def leave_loop(self) -> None:
@@ -315,6 +323,7 @@ class Dispatcher:
     def _on_poll(self) -> None:
         if self.poller.loop is not None:
             self._noack_all_due()  # the fallback poll covers every queue
+            self.announced.forget()  # and looks for every due message
             self.loop_drain()
 
     def _on_fetch_readable(self, channel: Channel) -> None:
@@ -336,7 +345,7 @@ class Dispatcher:
             raise
         if result is None:
             return
-        rows = self._fetched(channel, fetcher, result)
+        rows = self._fetched(channel, result)
         if channel.closed:  # closed meanwhile: never delivered
             if rows:
                 channel.settle("requeue", [make_tag(r.id, r.delivery) for r in rows])
@@ -492,7 +501,18 @@ class Dispatcher:
         else:
             acks = channel.acks
             pairs = acks.take()
+            named = self.announced.sending(queues)
             if fetcher is not None:
+                take = None
+                if (
+                    named is not None
+                    and looped
+                    and named[0] in ack_queues
+                    and starts is None
+                    and not state.full_owed
+                    and state.sent_wanted_seq == self.policy.wanted_seq
+                ):
+                    take = named[1:]
                 with acks.writing(pairs):
                     fetcher.send(
                         pairs,
@@ -501,6 +521,7 @@ class Dispatcher:
                         channel.consumer_id,
                         self._urgent_queues(),
                         after=starts,
+                        named=take,
                     )
                 acks.sent_with_fetch(pairs)
                 self.policy.sent(state, time.monotonic())
@@ -571,10 +592,10 @@ class Dispatcher:
         except BaseException:
             channel.acks.fetch_failed()
             raise
-        return [] if result is None else self._fetched(channel, fetcher, result)
+        return [] if result is None else self._fetched(channel, result)
 
     def _fetched(
-        self, channel: Channel, fetcher: AsyncFetcher, result: tuple[int, list[FetchedRow], int]
+        self, channel: Channel, result: tuple[int, list[FetchedRow], int]
     ) -> list[FetchedRow]:
         acked, rows, limit = result
         channel.acks.fetch_returned(acked)
@@ -586,7 +607,6 @@ class Dispatcher:
             filled=fetch_filled(rows, limit),
             now=time.monotonic(),
             last=last_positions(rows),
-            one_slot=fetcher.read_one_slot,
         )
         return rows
 
@@ -650,6 +670,7 @@ class Dispatcher:
         """Promote due scheduled messages; returns how many."""
         promoted, next_in = self.transport.store.promote_scheduled()
         if promoted:
+            self.announced.forget()  # the messages it made due are not named
             logger.debug("promoted %d scheduled messages", promoted, extra={"action": "promote"})
         self.policy.promoted(now, next_in)
         return int(promoted)

@@ -55,8 +55,15 @@ _OK = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
 class Wakes(Protocol):
     """The NOTIFYs a caller's transaction owes, sent once it has committed."""
 
-    def add(self, queue: str, status: str, run_at: datetime | None) -> None:
-        """Owe the NOTIFY of a message written to ``queue`` (its due time if ``scheduled``)."""
+    def add(
+        self,
+        queue: str,
+        status: str,
+        run_at: datetime | None,
+        named: tuple[int, int] | None = None,
+    ) -> None:
+        """Owe the NOTIFY of a message written to ``queue`` (its due time if ``scheduled``);
+        ``named``: its (id, slot), for the notification that names it."""
 
 
 class Executor(ABC):
@@ -487,12 +494,21 @@ class _Wakes:
         self.after_commit_key: Hashable = ("pgskip-wakes", executor.schema)
         self._executor = executor
         self._announce = announce
-        self._queues: dict[str, None] = {}  # in the order first written
+        # queue -> the one pending message written to it, named ("queue<US>id<US>slot"), or
+        # None (several, or one not named); in the order first written
+        self._queues: dict[str, str | None] = {}
         self._due: datetime | None = None
 
-    def add(self, queue: str, status: str, run_at: datetime | None) -> None:
+    def add(
+        self,
+        queue: str,
+        status: str,
+        run_at: datetime | None,
+        named: tuple[int, int] | None = None,
+    ) -> None:
         if status == "pending":
-            self._queues[queue] = None
+            one = queue not in self._queues and named is not None
+            self._queues[queue] = f"{queue}\x1f{named[0]}\x1f{named[1]}" if one and named else None
         else:
             self._due_at(run_at)
 
@@ -502,12 +518,18 @@ class _Wakes:
 
     def __call__(self) -> None:
         name, query, params = self._announce
-        owed = {**params, "queues": list(self._queues), "run_at": self._due}
+        owed = {
+            **params,
+            "queues": list(self._queues),
+            "named": list(self._queues.values()),
+            "run_at": self._due,
+        }
         self._executor.announce(name, query, owed)
 
     def merge(self, other: _Wakes) -> None:
         """Owe what ``other`` owes too (a nested block's, once it was kept)."""
-        self._queues.update(other._queues)
+        for queue, named in other._queues.items():
+            self._queues[queue] = None if queue in self._queues else named
         self._due_at(other._due)
 
 

@@ -10,25 +10,23 @@ It speaks libpq directly (``psycopg.pq``), on a connection opened by psycopg: on
 statement (or, with ``prepared=False`` for PgBouncer in transaction pooling, the statement text
 every time), parameters and results in text format.
 
-**An idle worker looks in one slot first.** ``jobs`` is a ring of partitions (migration 0027)
-and a generic plan sets up every one of them at each place the statement reads ``jobs``: on an
-idle worker most of a fetch's time, which a task published to an idle worker waits for. After
-a fetch that took less than it asked for (it left no due message behind), the next fetch that
-carries no acks runs the same statement limited to the slot of the newest message this
-connection took, which is where new messages go until the ring moves on (a second prepared
-statement per slot, planned for that partition alone). If it takes nothing, the statement on
-every slot follows at once on the same connection, so a message anywhere else (the ring moved
-on, a message returned to its queue, a countdown come due) is taken as before, one round trip
-later. The remote-control queues it looks into (``urgent``) are read in that slot too, and
-have their own notifications. When several idle workers share a queue, each notification
-wakes them all and one takes the message: a fetcher whose look in one slot took nothing reads
-every slot until it takes a message again, so that a worker that keeps losing that race sends
-one statement a notification, as it would without the look.
+**An idle worker takes the message it is told of.** A publish of one message names it in its
+notification (queue, id and slot: ``name_it`` in ``sql/publish.sql``). When the dispatcher
+knows that message is the only one announced since a fetch that left nothing due behind
+(:class:`~kombu_pgskip.policy.Announced`) and there are no acks to write, the fetch is
+``take_announced``: that message by its primary key, under the conditions of every fetch
+(pending, due, not paused, not limited, not expired), with the same look into the urgent
+queues (in that slot: their messages have notifications of their own). It runs on the
+message's slot alone: ``jobs`` is a ring of partitions (migration 0027) and a generic plan
+sets up every one of them at each place a statement reads ``jobs``, most of an idle fetch's
+time; the slot's statement, prepared once per slot, is planned for that partition alone.
+When several idle workers share a queue, each notification wakes them all: those whose take
+finds the message taken send nothing more.
 
 **Acks alone.** The acks of an idle worker's last tasks wait for the next fetch, or for a
 flush a few milliseconds later (``policy.ACK_FLUSH_DELAY``). When the consumer knows that
-fetch would find nothing (its last fetch read every slot and left nothing behind, and no
-notification came since: ``FetchPolicy.acks_alone``),
+fetch would find nothing (its last fetch left nothing behind, and no notification came
+since: ``FetchPolicy.acks_alone``),
 :meth:`AsyncFetcher.send_acks` writes them with the ``ack`` statement alone, on the same
 connection and without blocking the loop either.
 """
@@ -121,8 +119,12 @@ class AsyncFetcher:
         assert set(names) == set(_PARAMS), names
         self._query = query.encode()
         self._order = names
-        # The statement on one slot: every read of jobs limited to slot = {slot}.
-        self._slot_query = _one_slot(self._query, schema)
+        # The take of a message a notification named (send with named=).
+        query, names = positional(queries["take_announced"].as_string(None))
+        assert set(names) == {"id", "queues", "consumer", "urgent"}, names
+        self._take_statement = b"pgskip_take_announced"
+        self._take_query = _one_slot(query.encode(), schema)
+        self._take_order = names
         # The acks alone (send_acks).
         name = "ack" if keep_completed else "ack_delete"
         self._ack_statement = f"pgskip_{name}".encode()
@@ -130,24 +132,14 @@ class AsyncFetcher:
         assert set(names) == {"ids", "deliveries", "consumer"}, names
         self._ack_query = query.encode()
         self._ack_order = names
-        self._newest_slot = 0  # the slot of the newest message taken (0: none yet)
         self._drained = False  # whether the last fetch took every due message it could see
-        self._slot_missed = False  # a look in one slot took nothing, no message taken since
         self._statements: set[bytes] = set()  # prepared on this connection
-        self._in_slot = 0  # the slot the fetch in flight reads alone (0: every slot)
+        self._by_id = False  # the fetch in flight takes a named message (take_announced)
         self._acks_only = False  # the statement in flight writes acks and fetches nothing
-        self._params: list[bytes] = []  # of the fetch in flight
 
     @property
     def in_flight(self) -> bool:
         return self._sent is not None
-
-    @property
-    def read_one_slot(self) -> bool:
-        """Whether the fetch whose rows :meth:`poll` returned last read one slot of ``jobs``
-        alone (the look, which took something): a message due in another slot, announced by
-        the same notification, may still wait."""
-        return self._in_slot != 0
 
     def _pgconn(self) -> pq.abc.PGconn:
         return self._connection().pgconn
@@ -199,17 +191,38 @@ class AsyncFetcher:
         consumer: uuid.UUID,
         urgent: Sequence[str] = (),
         after: Sequence[Position] | None = None,
+        named: tuple[int, int] | None = None,
     ) -> None:
         """Ack ``tags`` ((id, delivery token) pairs) and ask for up to ``limit`` messages of
         ``queues``, each scanned after the position given for it in ``after`` (default: from
         the beginning); do not wait. :attr:`urgent` then says whether a due message waits in
-        one of the queues ``urgent`` (read in the fetch's snapshot; not fetched)."""
+        one of the queues ``urgent`` (read in the fetch's snapshot; not fetched).
+
+        ``named``: (id, slot) of the one message announced since the last fetch (the caller
+        knows nothing else became due). If that fetch left nothing due behind and there are
+        no acks to write, only that message is taken, by its id (``take_announced``, on its
+        slot alone); if another consumer took it first, nothing is, and nothing more is sent.
+        """
         if self._sent is not None:
             raise RuntimeError("a fetch is already in flight")
+        idle = self._drained and not tags
+        if named is not None and idle and limit > 0:
+            ident, slot = named
+            values = _ack_values(tags, consumer) | {
+                "id": str(ident).encode(),
+                "queues": array_literal(list(queues)),
+                "urgent": array_literal(list(urgent)),
+            }
+            self._send(
+                [values[n] for n in self._take_order],
+                b"%s_slot_%d" % (self._take_statement, slot),
+                self._take_query.replace(b"{slot}", b"%d" % slot),
+            )
+            self._sent, self._by_id, self._acks_only = limit, True, False
+            return
         params = self.params(tags, queues, limit, consumer, urgent, after)
-        idle = self._drained and not tags and not self._slot_missed
-        self._send_fetch(params, self._newest_slot if idle else 0)
-        self._sent, self._params, self._acks_only = limit, params, False
+        self._send(params, self._statement, self._query)
+        self._sent, self._by_id, self._acks_only = limit, False, False
 
     def send_acks(self, tags: Sequence[tuple[int, int]], consumer: uuid.UUID) -> None:
         """Write the acks ``tags`` ((id, delivery token) pairs, fenced as :meth:`send` writes
@@ -221,18 +234,6 @@ class AsyncFetcher:
         values = _ack_values(tags, consumer)
         self._send([values[n] for n in self._ack_order], self._ack_statement, self._ack_query)
         self._sent, self._acks_only = 0, True
-
-    def _send_fetch(self, params: list[bytes], slot: int) -> None:
-        """Send the fetch, on ``slot`` alone unless 0 (see the module's docstring)."""
-        if slot:
-            self._send(
-                params,
-                b"%s_slot_%d" % (self._statement, slot),
-                self._slot_query.replace(b"{slot}", b"%d" % slot),
-            )
-        else:
-            self._send(params, self._statement, self._query)
-        self._in_slot = slot
 
     def _send(self, params: list[bytes], statement: bytes, query: bytes) -> None:
         """Send ``query`` with ``params``: prepared as ``statement`` (once per connection)
@@ -293,20 +294,15 @@ class AsyncFetcher:
             if self._acks_only:
                 self._sent, self.urgent = None, False
                 return sum(res.ntuples for res in results), [], 0
-            acked, rows, slot = self._parse(results)
-            if not rows and self._in_slot:
-                # Nothing due in the slot new messages go to: every slot, at once.
-                self._slot_missed = True
-                self._send_fetch(self._params, 0)
-                return None
+            acked, rows = self._parse(results)
         except BaseException:
             self._drop()
             raise
         limit, self._sent = self._sent, None
-        if slot:  # 0: the newest message taken was in jobs_kept, where new messages never go
-            self._newest_slot = slot
-        self._drained = not fetch_filled(rows, limit)
-        self._slot_missed = self._slot_missed and not rows
+        if not self._by_id or rows:
+            # A take by id that found its message taken says nothing new: what the fetch
+            # before it left stands.
+            self._drained = not fetch_filled(rows, limit)
         return acked, rows, limit
 
     def wait(self, timeout: float = 30.0) -> tuple[int, list[FetchedRow], int] | None:
@@ -324,13 +320,11 @@ class AsyncFetcher:
                 )
         return None
 
-    def _parse(self, results: list[pq.abc.PGresult]) -> tuple[int, list[FetchedRow], int]:
-        """``ack_fetch``'s text-format results as (acks still ours, rows in delivery order, the
-        slot of the newest row or 0)."""
+    def _parse(self, results: list[pq.abc.PGresult]) -> tuple[int, list[FetchedRow]]:
+        """``ack_fetch``'s text-format results as (acks still ours, rows in delivery order)."""
         acked = 0
         urgent = False
         rows: list[tuple[Any, ...]] = []
-        newest = slot = 0
         for res in results:
             for i in range(res.ntuples):
                 value = res.get_value
@@ -353,10 +347,8 @@ class AsyncFetcher:
                         (value(i, 12) or b"").decode(),  # run_at, as text
                     )
                 )
-                if rows[-1][0] > newest:
-                    newest, slot = rows[-1][0], int(value(i, 13) or 0)
         self.urgent = urgent
-        return acked, fetched_rows(rows), slot
+        return acked, fetched_rows(rows)
 
     def _drop(self) -> None:
         conn, self._conn, self._sent = self._conn, None, None
@@ -386,7 +378,7 @@ def _ack_values(tags: Sequence[tuple[int, int]], consumer: uuid.UUID) -> dict[st
 
 def _one_slot(query: bytes, schema: str) -> bytes:
     """``query`` reading one slot of ``jobs`` wherever it reads ``jobs``: the condition
-    ``slot = {slot}`` (the slot put in by :meth:`AsyncFetcher._send`) first in the WHERE clause
+    ``slot = {slot}`` (the slot put in by :meth:`AsyncFetcher.send`) first in the WHERE clause
     of each read, a constant, so that PostgreSQL plans the read of that partition alone. The
     privileges checked stay those on ``jobs``."""
     parent = re.escape(sql.Identifier(schema).as_bytes(None) + b".jobs")

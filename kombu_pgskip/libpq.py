@@ -44,10 +44,13 @@ def positional(text: str) -> tuple[str, list[str]]:
 
 
 def array_literal(values: Sequence[Any]) -> bytes:
-    """A PostgreSQL array literal of ``values`` (ints, or strings quoted and escaped)."""
+    """A PostgreSQL array literal of ``values`` (ints, or strings quoted and escaped; None is
+    NULL)."""
     parts = []
     for v in values:
-        if isinstance(v, int):
+        if v is None:
+            parts.append("NULL")
+        elif isinstance(v, int):
             parts.append(str(v))
         else:
             parts.append('"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"')

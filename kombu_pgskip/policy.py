@@ -42,7 +42,7 @@ statements are :mod:`~kombu_pgskip.poller`'s and :mod:`~kombu_pgskip.dispatch`'s
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -215,6 +215,51 @@ class LimitGate:
             state.retry_at, state.on_notify, state.on_settle = poll, False, True
 
 
+class Announced:
+    """Which message each queue's notifications named since a fetch of it was last sent: an
+    idle consumer takes the one named message by its id rather than looking for due messages
+    (``AsyncFetcher.send``). No I/O.
+
+    Only as long as nothing else can have become due unseen: a notification that named no
+    message (a message returned to its queue, a promotion, a queue resumed, a publish of
+    several), a second message named, or a fetch that looks for everything being owed (the
+    poll, a new consumer, the consumer's own promotion of scheduled messages:
+    :meth:`forget`) make the next fetch of the queue look for every due message.
+    """
+
+    def __init__(self) -> None:
+        #: queue -> (id, slot) of the one message named since its last fetch was sent; None:
+        #: what is due there is not known.
+        self._named: dict[str, tuple[int, int] | None] = {}
+        #: The next fetch sent looks for every due message, whatever was named.
+        self._forgotten = False
+
+    def heard(self, named: Mapping[str, list[tuple[int, int]]], plain: Iterable[str]) -> None:
+        """Notifications named ``named`` (queue -> (id, slot) of each message) and announced
+        something unnamed in the queues ``plain``."""
+        for queue, messages in named.items():
+            one = len(messages) == 1 and queue not in self._named
+            self._named[queue] = messages[0] if one else None
+        for queue in plain:
+            self._named[queue] = None
+
+    def forget(self) -> None:
+        """The next fetch looks for every due message."""
+        self._named.clear()
+        self._forgotten = True
+
+    def sending(self, queues: Iterable[str]) -> tuple[str, int, int] | None:
+        """A fetch of ``queues`` is sent: (queue, id, slot) of the one message named for
+        them since their last fetch, if it may take that one alone; None: it looks for every
+        due message."""
+        seen = [(q, self._named.pop(q)) for q in queues if q in self._named]
+        forgotten, self._forgotten = self._forgotten, False
+        if forgotten or len(seen) != 1 or seen[0][1] is None:
+            return None
+        queue, (ident, slot) = seen[0][0], seen[0][1]
+        return queue, ident, slot
+
+
 @dataclass
 class ChannelState:
     """What the policy knows of one consuming channel."""
@@ -247,9 +292,6 @@ class ChannelState:
     #: Its last fetch scanned after the positions and came back short: one from the beginning
     #: is owed (at :meth:`FetchPolicy.full_scan_at`) before it may wait for a wake-up.
     full_owed: bool = False
-    #: Its last fetch read one slot of ``jobs`` alone (an idle fetcher's look, ``fetcher.py``)
-    #: and took something: a message due in another slot may still wait.
-    one_slot: bool = False
 
 
 class Next(enum.Enum):
@@ -392,14 +434,11 @@ class FetchPolicy:
         filled: bool,
         now: float,
         last: Mapping[str, Position] | None = None,
-        one_slot: bool = False,
     ) -> None:
         """The channel's fetch came back at ``now`` with ``took`` rows; ``filled``: it stopped
         at its limit or byte budget, so due messages may be left behind; ``last``: the
-        position of the last message it took from each queue; ``one_slot``: it read one slot
-        of ``jobs`` alone."""
+        position of the last message it took from each queue."""
         state.more_due = state.starved = filled
-        state.one_slot = one_slot
         if state.scans_after:
             state.full_owed = state.full_owed or not filled
         else:
@@ -440,16 +479,15 @@ class FetchPolicy:
     def acks_alone(self, state: ChannelState, now: float) -> bool:
         """Whether the channel's queued acks, due to be written (``ACK_FLUSH_DELAY``), go on
         their own rather than with a fetch (``AsyncFetcher.send_acks``): in the event loop,
-        with notifications and a fetch connection, when its last fetch read every slot and left
-        nothing behind (not for lack of credit or byte budget, not as a small refill put off,
-        not scanning after its positions), no notification for a consumed queue came since it
-        was sent, no wake-up asked for a fetch (a new consumer, a larger prefetch window) and
-        no scheduled message is to be promoted. A fetch would then find nothing: whatever makes
-        a message due announces it (a publish, a requeue, a promotion, a queue resumed, the
-        sweeper returning a dead consumer's messages), and the poll stays the backstop. After
-        a look in one slot that took a message the acks go with a fetch on every slot: the
-        notification it answered may also have announced a message due elsewhere (the sweeper
-        returns messages and promotes others with one notification per queue)."""
+        with notifications and a fetch connection, when its last fetch left nothing behind (not
+        for lack of credit or byte budget, not as a small refill put off, not scanning after
+        its positions), no notification for a consumed queue came since it was sent, no
+        wake-up asked for a fetch (a new consumer, a larger prefetch window) and no scheduled
+        message is to be promoted. A fetch would then find nothing: whatever makes a message
+        due announces it (a publish, a requeue, a promotion, a queue resumed, the sweeper
+        returning a dead consumer's messages), and the poll stays the backstop. (A take by id
+        looks for nothing else, but it is sent only when every message announced since the
+        fetch before it was named, and that one left nothing behind: :class:`Announced`.)"""
         return (
             self.in_loop
             and self.listen
@@ -458,7 +496,6 @@ class FetchPolicy:
             and state.sent_wake_seq == self.wake_seq
             and not (state.more_due or state.starved or state.refill_deferred)
             and not state.full_owed
-            and not state.one_slot
             and not self.promote_due(now)
         )
 

@@ -41,10 +41,47 @@ logger = logging.getLogger(__name__)
 class Notifications:
     """What the LISTEN connection heard since it was last read."""
 
-    #: Queues a publish wrote to.
+    #: Queues a publish wrote to (or a message returned to, a promotion made due...).
     queues: set[str] = field(default_factory=set)
+    #: The messages notifications named (``name_it`` in ``sql/publish.sql``): queue -> their
+    #: (id, slot) in the order heard.
+    named: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    #: Queues of ``queues`` a notification came for that named no message: what is due there
+    #: is not known.
+    plain: set[str] = field(default_factory=set)
     #: Seconds until the earliest announced scheduled message is due (None: none announced).
     scheduled_in: float | None = None
+
+
+#: Separates the queue, the id and the slot in the payload of a notification that names a
+#: message (``name_it`` in ``sql/publish.sql``).
+NAME_SEPARATOR = "\x1f"
+
+
+def heard(
+    found: Notifications, payload: str, pid: int, after: tuple[int, str] | None
+) -> tuple[int, str] | None:
+    """Add a notification on the jobs channel, ``payload`` sent by backend ``pid``, to
+    ``found``. ``after``: (pid, queue) of the notification heard just before this one, if that
+    one named a message. Returns (pid, queue) if this one names a message.
+
+    A publish sends the notification that names its message, then the plain one (the queue
+    alone, which is all a worker of an earlier version understands): that plain one, heard
+    right after the named one from the same backend (a transaction's notifications are
+    delivered together, in the order sent), announces nothing more and is dropped. A plain
+    notification from anywhere else (a message returned to its queue, a promotion, a queue
+    resumed, a publish of several messages) leaves what is due unknown (``found.plain``).
+    """
+    parts = payload.rsplit(NAME_SEPARATOR, 2)  # a queue's name may hold the separator
+    if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+        queue = parts[0]
+        found.queues.add(queue)
+        found.named.setdefault(queue, []).append((int(parts[1]), int(parts[2])))
+        return pid, queue
+    if after != (pid, payload):
+        found.queues.add(payload)
+        found.plain.add(payload)
+    return None
 
 
 class Ready(enum.Enum):
@@ -66,6 +103,8 @@ class Poller:
         self._classifying = exceptions.classifying(url_for_messages=mask_url(url))
         self._pid = os.getpid()
         self._listener: psycopg.Connection[Any] | None = None
+        # (sender pid, queue) of the last notification read, if it named a message (heard).
+        self._named_last: tuple[int, str] | None = None
         self._wake_pair: tuple[socket.socket, socket.socket] | None = None
         #: A blocking wait is in progress (wake-ups are then worth sending).
         self.waiting = False
@@ -154,6 +193,7 @@ class Poller:
         while (note := pgconn.notifies()) is not None:
             channel = note.relname.decode()
             payload = note.extra.decode()
+            named, self._named_last = self._named_last, None
             if channel == scheduled:
                 try:
                     due_in = float(payload) - time.time()
@@ -162,7 +202,7 @@ class Poller:
                 if found.scheduled_in is None or due_in < found.scheduled_in:
                     found.scheduled_in = due_in
             elif channel == jobs:
-                found.queues.add(payload)
+                self._named_last = heard(found, payload, note.be_pid, named)
         return found
 
     # -- the self-pipe ------------------------------------------------------------------------

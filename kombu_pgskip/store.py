@@ -14,6 +14,7 @@ An executor (:mod:`kombu_pgskip.executor`) runs them on one session:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -210,15 +211,17 @@ class _Inserts:
 
     __slots__ = ("behind", "inside", "quiet")
 
-    def __init__(self, notifying: str, quiet: str, announce: str) -> None:
+    def __init__(self, notifying: str, quiet: str, announce: str, noting: str = "") -> None:
+        """``noting``: the insert that announce, right behind it, reads the message's id
+        from (default: ``quiet``)."""
         self.quiet = quiet
         self.inside = _Placement(notifying, None, None)
-        self.behind = _Placement(quiet, announce, None)
+        self.behind = _Placement(noting or quiet, announce, None)
 
 
 #: One message and several: the single-row statements take 12-15 % less wall time per single
 #: publish than the multi-row ones.
-_ONE_ROW = _Inserts("publish", "insert_message", "announce")
+_ONE_ROW = _Inserts("publish", "insert_message", "announce", "insert_noting")
 _MANY_ROWS = _Inserts("publish_many", "insert_many", "announce_many")
 
 
@@ -285,6 +288,8 @@ class Store:
             ("ack", "ack_fetch") if keep_completed else ("ack_delete", "ack_delete_fetch")
         )
         self._notify_after_commit = notify_after_commit
+        # What ties an announce to the insert right before it (insert_noting).
+        self._note_keys = itertools.count(1)
         # What sends the NOTIFYs owed after a caller's commit (CallerConnection.wakes).
         self._announce_owed = ("announce_many", self.q["announce_many"], self._channels)
         self._where = executor.where
@@ -417,7 +422,9 @@ class Store:
             if announce is None:
                 rows = executor.run_direct(insert, self.q[insert], params)
             else:
-                if not one:
+                if one:
+                    params["note_key"] = str(next(self._note_keys))
+                else:
                     params.update(_owed(messages))
                 rows, failure = executor.run_then(
                     (insert, self.q[insert], params), (announce, self.q[announce], params)
@@ -431,7 +438,11 @@ class Store:
                         extra={"action": "announce_failed"},
                     )
         if wakes is not None:
-            for m in messages:
+            if one and rows:
+                # insert_message: the message's id and slot, for its notification to name it
+                wakes.add(messages[0].queue, messages[0].status, messages[0].run_at,
+                          named=(int(rows[0][0]), int(rows[0][1])))  # fmt: skip
+            for m in messages if not one or not rows else ():
                 wakes.add(m.queue, m.status, m.run_at)
         return [int(r[0]) for r in rows]
 
@@ -1187,7 +1198,7 @@ def _owed(messages: Sequence[NewMessage]) -> dict[str, Any]:
             queues[m.queue] = None
         elif m.run_at is not None and (due is None or m.run_at < due):
             due = m.run_at
-    return {"queues": list(queues), "run_at": due}
+    return {"queues": list(queues), "named": [None] * len(queues), "run_at": due}
 
 
 def _split(tags: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:

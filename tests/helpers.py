@@ -302,3 +302,28 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def plain_notes(
+    listener: psycopg.Connection[Any], count: int, timeout: float = 2.0
+) -> list[psycopg.Notify]:
+    """The notifications ``listener`` hears within ``timeout`` s, up to the ``count``-th that
+    names no message: those a worker of any version acts on. The one a single-message publish
+    sends before its plain one, naming the message (queue, id and slot), is left out."""
+    from kombu_pgskip.poller import NAME_SEPARATOR
+
+    notes: list[psycopg.Notify] = []
+    if count <= 0:
+        return notes
+    for note in listener.notifies(timeout=timeout):
+        if NAME_SEPARATOR in note.payload:
+            continue
+        notes.append(note)
+        if len(notes) >= count:
+            break
+    return notes
+
+
+def woken(listener: psycopg.Connection[Any], count: int, timeout: float = 2.0) -> list[str]:
+    """The payloads of :func:`plain_notes`."""
+    return [n.payload for n in plain_notes(listener, count, timeout)]

@@ -80,7 +80,7 @@ id, queue, priority, run_at, pg_column_size(payload) AS stored,
    AND NOT EXISTS (SELECT FROM {schema}.paused_queues AS pq WHERE pq.name = q.name)
    AND NOT EXISTS (SELECT FROM {schema}.queue_limits AS ql WHERE ql.name = q.name)
 
--- take: (fragment, included as {@take} after a CTE named picked) mark the picked rows running under the consumer and stamp this delivery's token; returns what a consumer needs, then the due time (as text, which the consumer's connection reads back exactly: with the priority and id, where its next fetch of the queue may start) and the slot of jobs the row is in (where an idle consumer looks first: AsyncFetcher); the rows are looked up by id (= ANY), which a generic plan, estimating a tenth of the table for an unknown LIMIT, would otherwise hash-join by scanning the whole table
+-- take: (fragment, included as {@take} after a CTE named picked) mark the picked rows running under the consumer and stamp this delivery's token; returns what a consumer needs, then the due time (as text, which the consumer's connection reads back exactly: with the priority and id, where its next fetch of the queue may start); the rows are looked up by id (= ANY), which a generic plan, estimating a tenth of the table for an unknown LIMIT, would otherwise hash-join by scanning the whole table
 -- The token (delivery, migration 0013) fences every transition out of this delivery
 -- (ack_fence, requeue, fail): the id of the transaction taking the row, 64 bits with its epoch
 -- and never reused, so no other delivery of the row carries it, whereas attempts (reset by
@@ -93,22 +93,39 @@ UPDATE {schema}.jobs AS jobs
  WHERE jobs.id = picked.id
    AND jobs.id = ANY (ARRAY(SELECT id FROM picked))
 RETURNING jobs.id, jobs.queue, jobs.payload, jobs.redelivered, jobs.attempts, jobs.expires_at,
-          picked.priority, picked.rn, jobs.delivery, picked.budget_full, jobs.run_at::text, jobs.slot
+          picked.priority, picked.rn, jobs.delivery, picked.budget_full, jobs.run_at::text
 
 -- fetch: take up to limit due messages (and max_bytes of payload, at least one message) from the given queues, round-robin across queues, mark them running
 WITH picked AS ({@due})
 {@take};
 
--- ack_fetch: ack delivered messages (fenced, as ack) and fetch (as fetch) in one round trip; every row starts with how many acks were still ours, and a lone row with no message says nothing was due; every row ends with the message's due time and slot (as take returns them) after whether a due message waits in one of the queues urgent (the no-ack queues of remote control and events, which the event loop fetches on their notification, the poll, or this saying so: Dispatcher._deliver_urgent), read in the fetch's own snapshot, one probe of the dequeue index per queue (ordered as that index: the generic plan, estimating that most rows match, would otherwise scan the table)
+-- ack_fetch: ack delivered messages (fenced, as ack) and fetch (as fetch) in one round trip; every row starts with how many acks were still ours, and a lone row with no message says nothing was due; every row ends with the message's due time (as take returns it) after whether a due message waits in one of the queues urgent (the no-ack queues of remote control and events, which the event loop fetches on their notification, the poll, or this saying so: Dispatcher._deliver_urgent), read in the fetch's own snapshot, one probe of the dequeue index per queue (ordered as that index: the generic plan, estimating that most rows match, would otherwise scan the table)
 WITH acked AS ({@ack}), {@fetch_after_ack};
 
 -- ack_delete_fetch: as ack_fetch, with the acks deleting their messages (ack_delete) instead of marking them completed: the transport option keep_completed=False
 WITH acked AS ({@ack_delete}), {@fetch_after_ack};
 
--- fetch_after_ack: (fragment, included as {@fetch_after_ack} after a CTE named acked that returns one row per ack still ours) the fetch of ack_fetch and the row it returns
-picked AS ({@due}), taken AS ({@take})
+-- fetch_after_ack: (fragment, included as {@fetch_after_ack} after a CTE named acked that returns one row per ack still ours) the fetch of ack_fetch and the rows it returns
+picked AS ({@due}), {@take_reported}
+
+-- take_announced: the fetch of an idle consumer that answers a notification naming one message (name_it): take that message, by its id, as fetch would if it is still a due pending message of one of the queues (not paused, not limited, not expired), and nothing else: whatever else becomes due is announced too; the consumer runs it on the message's slot alone (AsyncFetcher). No acks; its row, or a lone row saying nothing was taken, as ack_fetch returns them, with whether a due message waits in one of the queues urgent
+WITH acked AS (SELECT WHERE false), picked AS (
+    SELECT jobs.id, jobs.priority, 1::bigint AS rn, false AS budget_full
+      FROM {schema}.jobs
+     WHERE jobs.id = %(id)s::bigint
+       AND jobs.queue = ANY (%(queues)s::text[])
+       AND status = 'pending'
+       AND run_at <= now()
+       AND (expires_at IS NULL OR expires_at > now())
+       AND NOT EXISTS (SELECT FROM {schema}.paused_queues AS pq WHERE pq.name = jobs.queue)
+       AND NOT EXISTS (SELECT FROM {schema}.queue_limits AS ql WHERE ql.name = jobs.queue)
+       FOR UPDATE SKIP LOCKED
+), {@take_reported};
+
+-- take_reported: (fragment, included as {@take_reported} after CTEs named acked, one row per ack still ours, and picked, the rows to take as due picks them) the take and the rows ack_fetch returns
+taken AS ({@take})
 SELECT a.n, t.id, t.queue, t.payload, t.redelivered, t.attempts, t.expires_at, t.priority, t.rn,
-       t.delivery, t.budget_full, a.urgent, t.run_at, t.slot
+       t.delivery, t.budget_full, a.urgent, t.run_at
   FROM (SELECT count(*) AS n,
                EXISTS (SELECT 1
                          FROM unnest(%(urgent)s::text[]) AS uq(name)

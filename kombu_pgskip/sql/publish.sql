@@ -8,29 +8,46 @@
 CASE WHEN i.status = 'pending' THEN pg_notify(%(channel)s, i.queue)
      ELSE pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text) END
 
--- publish: insert one message, priority clamped to the queue's x-max-priority, TTL from the message or the queue; wakes the queue's consumers at commit (a scheduled message announces its due time instead); returns the id (no row, no NOTIFY: its unique key is held)
+-- name_it: (fragment, included as {@name_it} in the select list before {@wake}, over a relation i of one inserted message with queue and status, and the message's id and slot as id and slot, id NULL to name none) the notification that names a pending message, sent before the one {@wake} sends: its queue, id and slot separated by U+001F (queue, then id, then slot, which no queue name of an idle consumer's choosing is taken for), so that an idle consumer takes that message by its id (take_announced) rather than looking for it. A worker of an earlier version takes the payload for the name of a queue it does not consume and ignores it; it is woken by the plain one that follows, which a worker of this version drops (poller.py)
+CASE WHEN i.status = 'pending' AND i.id IS NOT NULL
+     THEN pg_notify(%(channel)s, i.queue || chr(31) || i.id || chr(31) || i.slot) END
+
+-- publish: insert one message, priority clamped to the queue's x-max-priority, TTL from the message or the queue; wakes the queue's consumers at commit, naming the message (a scheduled message announces its due time instead); returns the id (no row, no NOTIFY: its unique key is held)
 WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
 i AS ({@insert_one}
     RETURNING id, queue, status)
-SELECT i.id, {@wake}
-  FROM i;
+SELECT i.id, {@name_it}, {@wake}
+  FROM (SELECT i.id, i.queue, i.status, r.slot
+          FROM i CROSS JOIN {schema}.jobs_rotation AS r) AS i;
 
--- insert_message: as publish without its NOTIFY, which goes where Store._notify_placement puts it: announce in a transaction of its own right after this one, in the same round trip (a durable publish on the store's own connection, so that PostgreSQL's cluster-wide NOTIFY lock is not held while this commit waits for its WAL flush), or announce_many after a caller's commit; returns the id (no row: its unique key is held)
+-- insert_message: as publish without its NOTIFY, which goes where Store._notify_placement puts it: announce_many after a caller's commit; returns the id and the slot (no row: its unique key is held)
 WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
 i AS ({@insert_one}
     RETURNING id)
-SELECT i.id
-  FROM i;
+SELECT i.id, r.slot
+  FROM i CROSS JOIN {schema}.jobs_rotation AS r;
 
--- announce: the NOTIFY of one message written by insert_message, the one {@wake} sends for publish, from the message's own values (the publisher knows them). A transaction that only notifies writes no WAL of its own, so its commit does not wait for a flush
-SELECT {@wake}
-  FROM (SELECT %(queue)s::text AS queue, %(status)s::text AS status) AS i;
+-- insert_noting: insert_message for announce in a transaction of its own right after this one, in the same round trip (a durable publish on the store's own connection, so that PostgreSQL's cluster-wide NOTIFY lock is not held while this commit waits for its WAL flush): announce is sent before this reply arrives, so the message's id and slot are left in the session's setting pgskip.announced, behind note_key, for announce to name the message (a setting needs no privilege, where currval of the id sequence would); returns the id (no row, nothing noted: its unique key is held)
+WITH q AS (SELECT max_priority, message_ttl FROM {schema}.queues WHERE name = %(queue)s),
+i AS ({@insert_one}
+    RETURNING id)
+SELECT i.id, set_config('pgskip.announced', %(note_key)s || ':' || i.id || ':' || r.slot, false)
+  FROM i CROSS JOIN {schema}.jobs_rotation AS r;
 
--- announce_many: the NOTIFYs owed for messages written without theirs (insert_many right before it, in the same round trip; insert_message and insert_many in a caller's transaction, after its commit), as {@wake} and publish_many send them: one per queue given (queues with a pending message), and the earliest due time of the scheduled ones (run_at, NULL if none) on the scheduled channel; one transaction that writes no WAL
-SELECT pg_notify(%(channel)s, i.queue)
-  FROM unnest(%(queues)s::text[]) AS i(queue)
+-- announce: the NOTIFYs of one message written by insert_noting, those publish sends, from the message's own values (the publisher knows them) and the id and slot insert_noting left behind note_key (none named if that insert wrote nothing: its key is not there). A transaction that only notifies writes no WAL of its own, so its commit does not wait for a flush
+SELECT {@name_it}, {@wake}
+  FROM (SELECT %(queue)s::text AS queue, %(status)s::text AS status,
+               CASE WHEN split_part(n.noted, ':', 1) = %(note_key)s
+                    THEN split_part(n.noted, ':', 2) END AS id,
+               split_part(n.noted, ':', 3) AS slot
+          FROM (SELECT current_setting('pgskip.announced', true) AS noted) AS n) AS i;
+
+-- announce_many: the NOTIFYs owed for messages written without theirs (insert_many right before it, in the same round trip; insert_message and insert_many in a caller's transaction, after its commit), as {@wake} and publish_many send them: one per queue given (queues with a pending message), each after the one that names the queue's message where named holds its payload (name_it: a queue that got one message, from insert_message; NULL otherwise), and the earliest due time of the scheduled ones (run_at, NULL if none) on the scheduled channel; one transaction that writes no WAL
+SELECT CASE WHEN i.named IS NOT NULL THEN pg_notify(%(channel)s, i.named) END,
+       pg_notify(%(channel)s, i.queue)
+  FROM unnest(%(queues)s::text[], %(named)s::text[]) AS i(queue, named)
 UNION ALL
-SELECT pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text)
+SELECT NULL, pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text)
  WHERE %(run_at)s::timestamptz IS NOT NULL;
 
 -- insert_one: (fragment, included as {@insert_one} after a CTE q of the queue's max_priority and message_ttl) the insert of publish (a TTL, the message's or the queue's, counts from when the message is due: a countdown longer than the TTL is not dropped before it is due; nothing is written when another message of the queue holds its unique key, pending, scheduled or running: the claim trigger of jobs refuses the row, migration 0026), to be followed by RETURNING id, and queue, status where {@wake} reads them in the same statement (only columns a publisher role may read)
@@ -100,7 +117,7 @@ m AS MATERIALIZED (
     RETURNING id, queue, status
 )
 
--- publish_routed: insert one message into every live queue the exchange routes routing_key to (bindings of all processes, plus the queues this process bound), waking their consumers as publish does; returns the queues written to
+-- publish_routed: insert one message into every live queue the exchange routes routing_key to (bindings of all processes, plus the queues this process bound), waking their consumers as publish does (naming each message); returns the queues written to
 WITH targets AS (
     SELECT t.queue FROM unnest(%(queues)s::text[]) AS t(queue)
     UNION
@@ -134,7 +151,8 @@ WITH targets AS (
            %(concurrency_key)s,
            (SELECT slot FROM {schema}.jobs_rotation)
       FROM live
-    RETURNING queue, status
+    RETURNING id, queue, status
 )
-SELECT i.queue, {@wake}
-  FROM i;
+SELECT i.queue, {@name_it}, {@wake}
+  FROM (SELECT i.id, i.queue, i.status, (SELECT slot FROM {schema}.jobs_rotation) AS slot
+          FROM i) AS i;

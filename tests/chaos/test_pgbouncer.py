@@ -13,6 +13,7 @@ from tests.chaos.conftest import PGBOUNCER_OPTIONS
 from tests.chaos.pgbouncer import PgBouncer
 from tests.chaos.test_concurrency import run_concurrency_scenario
 from tests.chaos.test_crash import run_crash_scenario
+from tests.helpers import woken
 
 # Scenario 5 through PgBouncer: the same four prefork workers and one queue, with 8,000
 # messages. docs/reliability.md has a run of 100,000 (PGSKIP_CHAOS_PGBOUNCER_MESSAGES=100000).
@@ -80,10 +81,10 @@ def test_single_publishes_through_pgbouncer_commit_one_by_one(
             Queue("bounced-one")(conn.default_channel).declare()
             for n in range(200):
                 producer.publish({"n": n}, routing_key="bounced-one")
-        woken = [n.payload for n in listener.notifies(timeout=5, stop_after=200)]
+        heard = woken(listener, 200, timeout=5)
         rows = listener.execute(
             "SELECT count(*), count(DISTINCT xmin::text) FROM pgskip.jobs"
             " WHERE queue = 'bounced-one'"
         ).fetchone()
     assert rows == (200, 200)
-    assert woken == ["bounced-one"] * 200
+    assert heard == ["bounced-one"] * 200

@@ -31,6 +31,7 @@ from kombu_pgskip.migrate import migrate
 from kombu_pgskip.publish import apply_async_in
 from kombu_pgskip.store import NewMessage, Store, notify_channel, scheduled_channel
 from kombu_pgskip.testing.embedded import EmbeddedPostgres, find_bindir
+from tests.helpers import plain_notes, woken
 from tests.publish_support import Rollback, django_database, make_app
 
 
@@ -60,10 +61,10 @@ def _woken_once_each(
 ) -> None:
     """After a commit: each of ``queues`` woken once, in that order, one announcement of the
     earliest due time (an hour after ``started``), nothing more; ``counts`` jobs per queue."""
-    notes = list(listener.notifies(timeout=2, stop_after=len(queues) + 1))
-    notes += list(listener.notifies(timeout=0.5))  # and nothing more
-    woken = [n.payload for n in notes if n.channel == notify_channel("pgskip")]
-    assert woken == queues
+    notes = plain_notes(listener, len(queues) + 1)
+    notes += plain_notes(listener, 100, timeout=0.5)  # and nothing more
+    heard = [n.payload for n in notes if n.channel == notify_channel("pgskip")]
+    assert heard == queues
     due = [float(n.payload) for n in notes if n.channel == scheduled_channel("pgskip")]
     assert len(due) == 1 and started + 3600 - 5 < due[0] < time.time() + 3600 + 5
     rows = listener.execute(
@@ -194,7 +195,7 @@ def test_a_publish_waiting_for_its_commit_lets_others_notify(
     store = Store(private_url, notify_after_commit=after_commit)
     listener = _listener(private_url)
     store.publish(_row("warm"))  # connected and prepared before commits have to wait
-    assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["warm"]
+    assert woken(listener, 1) == ["warm"]
     published: list[Any] = []
     try:
         # Another session notifies (as another publisher's announcement would) while the
@@ -208,7 +209,7 @@ def test_a_publish_waiting_for_its_commit_lets_others_notify(
         )
         assert len(published) == 1 and published[0] > 0
         # The publish still wakes the queue's consumers once its row is committed.
-        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["slow"]
+        assert woken(listener, 1) == ["slow"]
     finally:
         listener.close()
         store.close()
@@ -241,14 +242,14 @@ def test_a_publish_many_waiting_for_its_commit_lets_others_notify(
     store = Store(private_url, notify_after_commit=after_commit)
     listener = _listener(private_url)
     store.publish_many([_row("warm")])
-    assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["warm"]
+    assert woken(listener, 1) == ["warm"]
     published: list[Any] = []
     try:
         (before,) = store.conn.execute("SELECT txid_current()").fetchone() or (0,)
         store.publish_many([_row("warm"), _row("warm")])
         (after,) = store.conn.execute("SELECT txid_current()").fetchone() or (0,)
         assert after - before - 1 == (2 if after_commit else 1)
-        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["warm"]
+        assert woken(listener, 1) == ["warm"]
         _while_a_commit_waits_for_the_standby(
             private_url,
             lambda: published.append(
@@ -259,8 +260,8 @@ def test_a_publish_many_waiting_for_its_commit_lets_others_notify(
             sessions=[store.conn],
         )
         assert len(published) == 1 and len(published[0]) == 3
-        woken = [n.payload for n in listener.notifies(timeout=2, stop_after=2)]
-        assert sorted(woken) == ["slow-a", "slow-b"]
+        heard = woken(listener, 2)
+        assert sorted(heard) == ["slow-a", "slow-b"]
     finally:
         listener.close()
         store.close()
@@ -273,7 +274,7 @@ def test_a_publish_inside_a_transaction_notifies_at_its_commit(db_url: str) -> N
         with store.conn.transaction():
             row_id = store.publish(_row("in-tx"))
             assert list(listener.notifies(timeout=0.3)) == []
-        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["in-tx"]
+        assert woken(listener, 1) == ["in-tx"]
         with store.conn.transaction():
             store.publish(_row("rolled-back"))
             raise psycopg.Rollback()
@@ -355,10 +356,10 @@ def test_a_failed_announcement_costs_only_its_wake_up(
         store.publish(_row("third"))
         # The insert's statement, this time: the first try fails and is sent again; the
         # failed try's announcement ran anyway (a wake-up too many, which costs one fetch).
-        store.conn.execute("DEALLOCATE pgskip_insert_message")
+        store.conn.execute("DEALLOCATE pgskip_insert_noting")
         store.publish(_row("fourth"))
-        woken = [n.payload for n in listener.notifies(timeout=2, stop_after=4)]
-        assert woken == ["first", "third", "fourth", "fourth"]
+        heard = woken(listener, 4)
+        assert heard == ["first", "third", "fourth", "fourth"]
         rows = store.conn.execute("SELECT queue FROM pgskip.jobs ORDER BY id").fetchall()
         assert rows == [("first",), ("unannounced",), ("third",), ("fourth",)]
     finally:
@@ -439,7 +440,7 @@ def test_a_django_transaction_that_enqueues_lets_others_notify_while_it_commits(
         enqueuer.finished()  # connected
         enqueuer.run_transaction("django-warm")  # schema checked, before commits wait
         enqueuer.finished()
-        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["django-warm"]
+        assert woken(listener, 1) == ["django-warm"]
         _require_standby(private_url, True)
         try:
             enqueuer.run_transaction("django-slow", wait_for_standby=True, many=many)
@@ -449,7 +450,7 @@ def test_a_django_transaction_that_enqueues_lets_others_notify_while_it_commits(
             _require_standby(private_url, False)
         enqueuer.finished()
         # Either way the job's consumers are woken once it is committed.
-        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["django-slow"]
+        assert woken(listener, 1) == ["django-slow"]
     finally:
         enqueuer.jobs.put(None)
         enqueuer.join(30)
@@ -481,8 +482,8 @@ def test_a_django_rollback_or_rolled_back_savepoint_wakes_nobody(db_url: str) ->
             with contextlib.suppress(Rollback), transaction.atomic(using=alias):
                 apply_async_in(conn, task, (1, 2), queue="rolled-back")
                 raise Rollback
-        woken = [n.payload for n in listener.notifies(timeout=2, stop_after=2)]
-        assert woken == ["kept", "kept-too"]
+        heard = woken(listener, 2)
+        assert heard == ["kept", "kept-too"]
         assert list(listener.notifies(timeout=0.3)) == []
         queues = listener.execute("SELECT queue FROM pgskip.jobs ORDER BY id").fetchall()
         assert queues == [("kept",), ("kept-too",)]
@@ -606,7 +607,7 @@ def test_a_psycopg_transaction_that_enqueues_lets_others_notify_while_it_commits
 
     try:
         enqueue("pg-warm")  # schema checked before commits have to wait
-        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["pg-warm"]
+        assert woken(listener, 1) == ["pg-warm"]
         _while_a_commit_waits_for_the_standby(
             private_url,
             lambda: enqueue("pg-slow"),
@@ -616,7 +617,7 @@ def test_a_psycopg_transaction_that_enqueues_lets_others_notify_while_it_commits
         )
         assert errors == []
         # Either way the job's consumers are woken once it is committed.
-        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["pg-slow"]
+        assert woken(listener, 1) == ["pg-slow"]
     finally:
         listener.close()
         conn.close()
@@ -717,7 +718,7 @@ def test_kombu_pgskip_transaction_inside_an_open_transaction_notifies_at_its_com
         apply_async_in(conn, on_psycopg.task, (1, 2), queue="later")
     assert list(listener.notifies(timeout=0.3)) == []
     conn.commit()
-    assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["later"]
+    assert woken(listener, 1) == ["later"]
 
 
 def test_kombu_pgskip_transaction_refuses_what_is_not_a_psycopg_connection() -> None:
@@ -772,7 +773,7 @@ def test_a_sqlalchemy_transaction_that_enqueues_lets_others_notify_while_it_comm
 
     try:
         enqueue("sa-warm")  # schema checked, and the pool's one connection opened
-        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["sa-warm"]
+        assert woken(listener, 1) == ["sa-warm"]
         with engine.connect() as probe:
             pid = (
                 probe.connection.dbapi_connection.info.backend_pid
@@ -783,7 +784,7 @@ def test_a_sqlalchemy_transaction_that_enqueues_lets_others_notify_while_it_comm
             private_url, lambda: enqueue("sa-slow"), pid, others_blocked=not session
         )
         assert errors == []
-        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["sa-slow"]
+        assert woken(listener, 1) == ["sa-slow"]
     finally:
         listener.close()
         engine.dispose()
@@ -864,8 +865,8 @@ def test_a_session_joined_to_the_caller_s_transaction_notifies_at_that_commit(
                 outer.commit()
             else:
                 outer.rollback()
-        woken = [n.payload for n in listener.notifies(timeout=1, stop_after=1)]
-        assert woken == (["joined"] if outcome == "commit" else [])
+        heard = woken(listener, 1)
+        assert heard == (["joined"] if outcome == "commit" else [])
         count = listener.execute("SELECT count(*) FROM pgskip.jobs").fetchone()
         assert count == ((1,) if outcome == "commit" else (0,))
     finally:
@@ -890,8 +891,8 @@ def test_a_savepoint_the_session_does_not_know_keeps_its_notify_inside(db_url: s
             apply_async_in(s, task, (1, 2), queue="core-savepoint")
             savepoint.rollback()
             apply_async_in(s, task, (1, 2), queue="kept")
-        notes = list(listener.notifies(timeout=2, stop_after=1))
-        notes += list(listener.notifies(timeout=0.5))
+        notes = plain_notes(listener, 1)
+        notes += plain_notes(listener, 100, timeout=0.5)
         assert [n.payload for n in notes] == ["kept"]
         assert listener.execute("SELECT queue FROM pgskip.jobs").fetchall() == [("kept",)]
     finally:

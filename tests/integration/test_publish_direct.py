@@ -3,6 +3,7 @@ statement wakes consumers itself (migration 0004 dropped the NOTIFY trigger)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -39,6 +40,13 @@ def _notes(conn: psycopg.Connection[Any], n: int) -> list[tuple[str, str]]:
     return [(x.channel, x.payload) for x in conn.notifies(timeout=2.0, stop_after=n)]
 
 
+def _named(store: Store, row_id: int) -> str:
+    """The payload of the notification that names message ``row_id``."""
+    row = store.conn.execute("SELECT queue, slot FROM pgskip.jobs WHERE id = %s", (row_id,))
+    queue, slot = row.fetchone() or ("?", "?")
+    return f"{queue}\x1f{row_id}\x1f{slot}"
+
+
 def test_the_insert_trigger_is_gone(db_url: str) -> None:
     """No trigger of jobs notifies: the only ones claim unique keys (migration 0026)."""
     with psycopg.connect(db_url) as conn:
@@ -56,9 +64,21 @@ def test_each_insert_statement_notifies_with_the_trigger_s_payloads(db_url: str)
     store = Store(db_url)
     listener = _listener(db_url)
     try:
-        # publish: the queue name for a pending message
-        store.publish(_row("direct-q"))
-        assert _notes(listener, 1) == [(notify_channel("pgskip"), "direct-q")]
+        # publish: the message named (queue, id and slot), then the queue name alone, for a
+        # pending message: in a transaction of its own behind the insert's, or inside a
+        # transaction (the insert's own statement sends them)
+        channel = notify_channel("pgskip")
+        row_id = store.publish(_row("direct-q"))
+        assert _notes(listener, 2) == [(channel, _named(store, row_id)), (channel, "direct-q")]
+        with store.executor.transaction():
+            row_id = store.publish(_row("direct-q"))
+        assert _notes(listener, 2) == [(channel, _named(store, row_id)), (channel, "direct-q")]
+        # a publish that writes nothing (its unique key is held) names nothing
+        keyed = dataclasses.replace(_row("direct-q"), unique_key="k")
+        assert store.publish(keyed) is not None
+        _notes(listener, 2)
+        assert store.publish(keyed) is None
+        assert _notes(listener, 2) == [(channel, "direct-q")]
         # publish of a far-future message: its due time on the scheduled channel
         eta = datetime.now(timezone.utc) + timedelta(hours=1)
         store.publish(_row("direct-q", eta=eta.isoformat()))
@@ -77,7 +97,7 @@ def test_each_insert_statement_notifies_with_the_trigger_s_payloads(db_url: str)
                 (scheduled_channel("pgskip"), notes[-1][1]),
             ]
         )
-        # publish_routed: one per target queue
+        # publish_routed: two per target queue
         store.declare_exchange("ex-direct", "fanout")
         for queue in ("fan-1", "fan-2"):
             store.declare_queue(queue)
@@ -85,9 +105,16 @@ def test_each_insert_statement_notifies_with_the_trigger_s_payloads(db_url: str)
         routed = to_routed_row("ex-direct", _message(), eta_threshold=60, max_message_size=10**6)
         written = store.publish_routed(routed, exchange="ex-direct", routing_key="", queues=[])
         assert sorted(written) == ["fan-1", "fan-2"]
-        assert sorted(_notes(listener, 2)) == [
-            (notify_channel("pgskip"), "fan-1"),
-            (notify_channel("pgskip"), "fan-2"),
+        # each target's message named, then the queue alone
+        ids = store.conn.execute(
+            "SELECT id FROM pgskip.jobs WHERE queue IN ('fan-1', 'fan-2') ORDER BY queue"
+        ).fetchall()
+        jobs = notify_channel("pgskip")
+        assert _notes(listener, 4) == [
+            (jobs, _named(store, ids[0][0])),
+            (jobs, "fan-1"),
+            (jobs, _named(store, ids[1][0])),
+            (jobs, "fan-2"),
         ]
     finally:
         listener.close()
@@ -120,7 +147,7 @@ def test_direct_publish_prepares_again_after_a_reconnect(db_url: str) -> None:
         prepared = store.conn.execute(
             "SELECT name FROM pg_prepared_statements WHERE name LIKE 'pgskip_%' ORDER BY name"
         ).fetchall()
-        assert prepared == [("pgskip_announce",), ("pgskip_insert_message",)]
+        assert prepared == [("pgskip_announce",), ("pgskip_insert_noting",)]
     finally:
         store.close()
 

@@ -241,8 +241,11 @@ def test_workers_are_notified_at_commit_and_never_on_rollback(app: Celery, db_ur
             with conn.transaction():
                 apply_async_in(conn, add, args=(1, 2), queue="invoices")
                 assert list(listener.notifies(timeout=0.2)) == []  # not before commit
-            notes = list(listener.notifies(timeout=2.0, stop_after=1))
-    assert [n.payload for n in notes] == ["invoices"]
+            notes = list(listener.notifies(timeout=2.0, stop_after=2))
+        row_id, slot = listener.execute("SELECT id, slot FROM pgskip.jobs").fetchone() or (0, 0)
+    # the message named (queue, id and slot), then the queue alone
+    named = ["invoices", str(row_id), str(slot)]
+    assert [n.payload.split("\x1f") for n in notes] == [named, ["invoices"]]
 
 
 def test_concurrent_transactions_enqueuing_to_one_queue_do_not_wait_for_each_other(

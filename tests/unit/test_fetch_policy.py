@@ -9,6 +9,7 @@ from kombu_pgskip.options import Options
 from kombu_pgskip.policy import (
     ACK_FLUSH_DELAY,
     FULL_SCAN_SPACING,
+    Announced,
     ChannelState,
     FetchPolicy,
     Next,
@@ -150,13 +151,6 @@ def test_acks_go_alone_only_while_a_fetch_would_find_nothing() -> None:
     state = drained(policy)
     state.full_owed = True
     assert not policy.acks_alone(state, 2.0)
-    # A look in one slot that took a message: one due in another slot may wait.
-    state = ChannelState()
-    policy.sent(state, now=1.0)
-    policy.fetched(state, took=1, filled=False, now=1.001, one_slot=True)
-    assert not policy.acks_alone(state, 2.0)
-    policy.fetched(state, took=0, filled=False, now=1.5)  # then every slot: nothing left
-    assert policy.acks_alone(state, 2.0)
     # A wake-up asked for a fetch (a new consumer): the fetch it asked for.
     state = drained(policy)
     policy.fetch_wanted = True
@@ -336,3 +330,48 @@ def test_a_blocking_call_that_owes_a_scan_from_the_beginning_is_not_drained() ->
     assert not policy.drained
     assert call.wait(0.0, acks_waiting=False, deadline=None) == pytest.approx(0.1)
     assert call.should_fetch(0.1, promoted=False)
+
+
+# -- Announced: what an idle consumer may take by id --------------------------------------------
+
+
+def test_the_one_message_named_since_the_last_fetch_is_taken_by_id() -> None:
+    announced = Announced()
+    announced.heard({"a": [(7, 3)]}, set())
+    assert announced.sending(["a", "b"]) == ("a", 7, 3)
+    assert announced.sending(["a", "b"]) is None, "the fetch sent took it: nothing named since"
+
+
+def test_anything_unnamed_makes_the_next_fetch_look_for_every_due_message() -> None:
+    announced = Announced()
+    # Two messages named (in one read, or two): which is due first is the fetch's to say.
+    announced.heard({"a": [(7, 3), (8, 3)]}, set())
+    assert announced.sending(["a"]) is None
+    announced.heard({"a": [(7, 3)]}, set())
+    announced.heard({"a": [(8, 3)]}, set())
+    assert announced.sending(["a"]) is None
+    # A notification that named nothing, before or after the named one.
+    announced.heard({"a": [(7, 3)]}, {"a"})
+    assert announced.sending(["a"]) is None
+    announced.heard({}, {"a"})
+    announced.heard({"a": [(7, 3)]}, set())
+    assert announced.sending(["a"]) is None
+    # Messages named in two of the channel's queues.
+    announced.heard({"a": [(7, 3)], "b": [(9, 3)]}, set())
+    assert announced.sending(["a", "b"]) is None
+    # What another channel consumes is not this fetch's concern; it stays for that one.
+    announced.heard({"a": [(7, 3)], "c": [(9, 3)]}, set())
+    assert announced.sending(["a", "b"]) == ("a", 7, 3)
+    assert announced.sending(["c"]) == ("c", 9, 3)
+
+
+def test_after_forget_the_next_fetch_looks_for_every_due_message() -> None:
+    """The poll, a new event loop, a promotion by this consumer: the next fetch looks for
+    everything, even if a message is named meanwhile; the one after may take by id again."""
+    announced = Announced()
+    announced.heard({"a": [(7, 3)]}, set())
+    announced.forget()
+    announced.heard({"a": [(8, 3)]}, set())
+    assert announced.sending(["a"]) is None
+    announced.heard({"a": [(9, 3)]}, set())
+    assert announced.sending(["a"]) == ("a", 9, 3)

@@ -21,9 +21,17 @@ DUE = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
 class _Owed:
     def __init__(self) -> None:
         self.added: list[tuple[str, str, datetime | None]] = []
+        self.named: list[tuple[int, int] | None] = []
 
-    def add(self, queue: str, status: str, run_at: datetime | None) -> None:
+    def add(
+        self,
+        queue: str,
+        status: str,
+        run_at: datetime | None,
+        named: tuple[int, int] | None = None,
+    ) -> None:
         self.added.append((queue, status, run_at))
+        self.named.append(named)
 
 
 class _Recording(Executor):
@@ -64,7 +72,8 @@ class _Recording(Executor):
     def _ids(self, params: Params) -> Rows:
         n = params["rows"].count('"queue"') if "rows" in params else 1
         self._next += n
-        return [(str(i),) for i in range(self._next - n + 1, self._next + 1)]
+        # with the slot, as insert_message returns it (slot 3 here)
+        return [(str(i), "3") for i in range(self._next - n + 1, self._next + 1)]
 
     def run(self, query: Query, params: Params) -> Rows:
         raise AssertionError("publishing runs named statements")
@@ -104,7 +113,7 @@ def test_own_autocommit_session_announces_right_behind_the_insert() -> None:
     assert store.publish(_message()) == 1
     assert store.publish_many(MANY) == [2, 3, 4, 5, 6]
     assert executor.ran == [
-        ("then", "insert_message", "announce"),
+        ("then", "insert_noting", "announce"),
         ("then", "insert_many", "announce_many"),
     ]
     # announce_many: each queue with a pending message once, in order; the earliest due time.
@@ -138,6 +147,8 @@ def test_with_an_after_commit_hook_the_insert_is_quiet_and_owes_its_notify() -> 
     assert executor.owed.added == [("x", "pending", None)] + [
         (m.queue, m.status, m.run_at) for m in MANY
     ]
+    # the single message's id and slot, for the notification that names it
+    assert executor.owed.named == [(1, 3)] + [None] * len(MANY)
 
 
 @pytest.mark.parametrize("hook", [True, False])
