@@ -71,6 +71,12 @@ def heard(
     delivered together, in the order sent), announces nothing more and is dropped. A plain
     notification from anywhere else (a message returned to its queue, a promotion, a queue
     resumed, a publish of several messages) leaves what is due unknown (``found.plain``).
+
+    PostgreSQL sends a payload once per transaction: in a transaction that published to a queue
+    before, a named notification has no plain one of its own behind it. Should the next
+    transaction of that session begin with a plain notification of the queue (``publish_many``
+    right after), that one is dropped too, and its messages wait for a fetch that something
+    else causes, at the latest the poll.
     """
     parts = payload.rsplit(NAME_SEPARATOR, 2)  # a queue's name may hold the separator
     if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():

@@ -8,7 +8,7 @@
 CASE WHEN i.status = 'pending' THEN pg_notify(%(channel)s, i.queue)
      ELSE pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text) END
 
--- name_it: (fragment, included as {@name_it} in the select list before {@wake}, over a relation i of one inserted message with queue and status, and the message's id and slot as id and slot, id NULL to name none) the notification that names a pending message, sent before the one {@wake} sends: its queue, id and slot separated by U+001F (queue, then id, then slot, which no queue name of an idle consumer's choosing is taken for), so that an idle consumer takes that message by its id (take_announced) rather than looking for it. A worker of an earlier version takes the payload for the name of a queue it does not consume and ignores it; it is woken by the plain one that follows, which a worker of this version drops (poller.py)
+-- name_it: (fragment, included as {@name_it} in the select list before {@wake}, over a relation i of one inserted message with queue and status, and the message's id and slot as id and slot, id NULL to name none) the notification that names a pending message, sent before the one {@wake} sends: its queue, id and slot, separated by U+001F (poller.heard reads the last two parts, so a queue's name may hold the separator), so that an idle consumer takes that message by its id (take_announced) rather than looking for it. A worker of an earlier version takes the payload for the name of a queue it does not consume and ignores it; it is woken by the plain one that follows, which a worker of this version drops (poller.py)
 CASE WHEN i.status = 'pending' AND i.id IS NOT NULL
      THEN pg_notify(%(channel)s, i.queue || chr(31) || i.id || chr(31) || i.slot) END
 
