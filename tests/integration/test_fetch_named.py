@@ -24,6 +24,14 @@ def store(db_url: str) -> Iterator[Store]:
     store.close()
 
 
+@pytest.fixture
+def fetcher(db_url: str) -> Iterator[AsyncFetcher]:
+    """A fetcher as the event loop's, with prepared statements."""
+    fetcher = AsyncFetcher(db_url, schema="pgskip", asynchronous_commit=False, connect_timeout=5)
+    yield fetcher
+    fetcher.close()
+
+
 def _publish(store: Store, i: int, queue: str = "slots") -> tuple[int, int]:
     """Publish message ``i``: its (id, slot), as its notification names it."""
     row_id = store.publish(NewMessage(queue, 0, "pending", None, f'{{"i": {i}}}', None, None, None))
@@ -72,35 +80,31 @@ def _statuses(db_url: str) -> list[tuple[int, str]]:
 
 
 def test_an_idle_fetcher_takes_the_named_message_on_its_slot_alone(
-    store: Store, db_url: str
+    store: Store, fetcher: AsyncFetcher
 ) -> None:
     """The fetch after one that left nothing behind, with no acks to write and the message
     named, runs ``take_announced`` on the message's slot: its plan reads that partition of
     jobs and no other, and it takes the message in one round trip. The fetch after it, which
     carries the ack, is the statement on every slot."""
-    fetcher = AsyncFetcher(db_url, schema="pgskip", asynchronous_commit=False, connect_timeout=5)
     me = uuid.uuid4()
-    try:
-        _idle(fetcher, store, me)
-        named = _publish(store, 1)
-        _, rows = _fetch(fetcher, [], me, named)
-        assert [r.payload for r in rows] == [{"i": 1}]
-        assert rows[0].id == named[0]
-        take = f"pgskip_take_announced_slot_{named[1]}"
-        assert _executions(fetcher) == {"pgskip_ack_fetch": 2, take: 1}
+    _idle(fetcher, store, me)
+    named = _publish(store, 1)
+    _, rows = _fetch(fetcher, [], me, named)
+    assert [r.payload for r in rows] == [{"i": 1}]
+    assert rows[0].id == named[0]
+    take = f"pgskip_take_announced_slot_{named[1]}"
+    assert _executions(fetcher) == {"pgskip_ack_fetch": 2, take: 1}
 
-        acked, more = _fetch(fetcher, [r.tag for r in rows], me, _publish(store, 2))
-        assert acked == 1 and [r.payload for r in more] == [{"i": 2}], "acks: every slot"
-        assert _executions(fetcher) == {"pgskip_ack_fetch": 3, take: 1}
-        assert fetcher._conn is not None
-        params = [str(named[0]), "{slots}", str(me), "{}"]
-        cur = psycopg.ClientCursor(fetcher._conn)
-        cur.execute(f"EXPLAIN EXECUTE {take}(%s, %s, %s, %s)", params)
-        plan = "\n".join(row[0] for row in cur.fetchall())
-        assert set(re.findall(r"\bon (jobs_\w+)", plan)) == {f"jobs_{named[1]}"}, plan
-        assert "Index Scan using jobs_" in plan and "_pkey" in plan, plan
-    finally:
-        fetcher.close()
+    acked, more = _fetch(fetcher, [r.tag for r in rows], me, _publish(store, 2))
+    assert acked == 1 and [r.payload for r in more] == [{"i": 2}], "acks: every slot"
+    assert _executions(fetcher) == {"pgskip_ack_fetch": 3, take: 1}
+    assert fetcher._conn is not None
+    params = [str(named[0]), "{slots}", str(me), "{}"]
+    cur = psycopg.ClientCursor(fetcher._conn)
+    cur.execute(f"EXPLAIN EXECUTE {take}(%s, %s, %s, %s)", params)
+    plan = "\n".join(row[0] for row in cur.fetchall())
+    assert set(re.findall(r"\bon (jobs_\w+)", plan)) == {f"jobs_{named[1]}"}, plan
+    assert "Index Scan using jobs_" in plan and "_pkey" in plan, plan
 
 
 @pytest.fixture(
@@ -162,59 +166,53 @@ def test_a_named_message_is_taken_once_and_only_if_a_fetch_would_take_it(
 
 
 def test_a_named_message_is_not_taken_alone_where_a_fetch_is_owed(
-    store: Store, db_url: str
+    store: Store, fetcher: AsyncFetcher
 ) -> None:
     """With acks to write, or on a connection whose last fetch may have left due messages
     behind (a new one, one whose fetch filled its limit), the fetch looks for every due
     message, in delivery order, whatever was named."""
-    fetcher = AsyncFetcher(db_url, schema="pgskip", asynchronous_commit=False, connect_timeout=5)
     me = uuid.uuid4()
-    try:
-        older = _publish(store, 0)
-        named = _publish(store, 1)
-        _, rows = _fetch(fetcher, [], me, named)  # a new connection
-        assert [r.id for r in rows] == [older[0], named[0]]
-        for i in range(2, 8):
-            _publish(store, i)
-        _, rows = _fetch(fetcher, [r.tag for r in rows], me)  # filled its limit of 4
-        assert [r.payload["i"] for r in rows] == [2, 3, 4, 5]
-        named = _publish(store, 8)
-        _, more = _fetch(fetcher, [], me, named)
-        assert [r.payload["i"] for r in more] == [6, 7, 8]
-        named = _publish(store, 9)
-        acked, last = _fetch(fetcher, [r.tag for r in rows + more], me, named)  # acks to write
-        assert acked == 7 and [r.payload["i"] for r in last] == [9]
-        assert "pgskip_take_announced" not in " ".join(_executions(fetcher))
-    finally:
-        fetcher.close()
+    older = _publish(store, 0)
+    named = _publish(store, 1)
+    _, rows = _fetch(fetcher, [], me, named)  # a new connection
+    assert [r.id for r in rows] == [older[0], named[0]]
+    for i in range(2, 8):
+        _publish(store, i)
+    _, rows = _fetch(fetcher, [r.tag for r in rows], me)  # filled its limit of 4
+    assert [r.payload["i"] for r in rows] == [2, 3, 4, 5]
+    named = _publish(store, 8)
+    _, more = _fetch(fetcher, [], me, named)
+    assert [r.payload["i"] for r in more] == [6, 7, 8]
+    named = _publish(store, 9)
+    acked, last = _fetch(fetcher, [r.tag for r in rows + more], me, named)  # acks to write
+    assert acked == 7 and [r.payload["i"] for r in last] == [9]
+    assert "pgskip_take_announced" not in " ".join(_executions(fetcher))
 
 
-def test_a_new_connection_prepares_the_take_again(store: Store, db_url: str) -> None:
+def test_a_new_connection_prepares_the_take_again(
+    store: Store, db_url: str, fetcher: AsyncFetcher
+) -> None:
     """The statements on one slot are prepared on the connection that runs them: after the
     connection is lost, the next fetch reads every slot, and the next take prepares its
     statement again."""
-    fetcher = AsyncFetcher(db_url, schema="pgskip", asynchronous_commit=False, connect_timeout=5)
     me = uuid.uuid4()
-    try:
-        _idle(fetcher, store, me)
-        named = _publish(store, 1)
-        _, rows = _fetch(fetcher, [], me, named)
-        assert [r.id for r in rows] == [named[0]]
-        assert fetcher._conn is not None
-        with psycopg.connect(db_url, autocommit=True) as conn:
-            conn.execute("SELECT pg_terminate_backend(%s)", (fetcher._conn.info.backend_pid,))
-        with pytest.raises(psycopg.OperationalError):
-            _fetch(fetcher, [r.tag for r in rows], me)
-        _, rows = _fetch(fetcher, [r.tag for r in rows], me, _publish(store, 2))
-        assert [r.payload for r in rows] == [{"i": 2}]
-        assert _executions(fetcher) == {"pgskip_ack_fetch": 1}
+    _idle(fetcher, store, me)
+    named = _publish(store, 1)
+    _, rows = _fetch(fetcher, [], me, named)
+    assert [r.id for r in rows] == [named[0]]
+    assert fetcher._conn is not None
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", (fetcher._conn.info.backend_pid,))
+    with pytest.raises(psycopg.OperationalError):
         _fetch(fetcher, [r.tag for r in rows], me)
-        named = _publish(store, 3)
-        _, rows = _fetch(fetcher, [], me, named)
-        assert [r.id for r in rows] == [named[0]]
-        assert _executions(fetcher) == {
-            "pgskip_ack_fetch": 2,
-            f"pgskip_take_announced_slot_{named[1]}": 1,
-        }
-    finally:
-        fetcher.close()
+    _, rows = _fetch(fetcher, [r.tag for r in rows], me, _publish(store, 2))
+    assert [r.payload for r in rows] == [{"i": 2}]
+    assert _executions(fetcher) == {"pgskip_ack_fetch": 1}
+    _fetch(fetcher, [r.tag for r in rows], me)
+    named = _publish(store, 3)
+    _, rows = _fetch(fetcher, [], me, named)
+    assert [r.id for r in rows] == [named[0]]
+    assert _executions(fetcher) == {
+        "pgskip_ack_fetch": 2,
+        f"pgskip_take_announced_slot_{named[1]}": 1,
+    }
