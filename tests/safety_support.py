@@ -44,9 +44,23 @@ def as_role(url: str, user: str, password: str | None) -> str:
 def worker_role(server_dsn: str, db_url: str) -> Iterator[str]:
     """A login role granted what `pgskip grant --worker` grants: the URL of ``db_url`` as it;
     dropped afterwards."""
+    with _granted_role(server_dsn, db_url, "worker") as url:
+        yield url
+
+
+@contextmanager
+def publisher_role(server_dsn: str, db_url: str) -> Iterator[str]:
+    """A login role granted what `pgskip grant --publisher` grants: the URL of ``db_url`` as
+    it; dropped afterwards."""
+    with _granted_role(server_dsn, db_url, "publisher") as url:
+        yield url
+
+
+@contextmanager
+def _granted_role(server_dsn: str, db_url: str, kind: str) -> Iterator[str]:
     from kombu_pgskip.grants import apply_grants, grant_statements
 
-    name, password = f"worker_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    name, password = f"{kind}_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     role = sql.Identifier(name)
     with psycopg.connect(server_dsn, autocommit=True) as conn:
         conn.execute(
@@ -54,12 +68,19 @@ def worker_role(server_dsn: str, db_url: str) -> Iterator[str]:
         )
     try:
         dbname = db_url.rsplit("/", 1)[1]
-        apply_grants(db_url, grant_statements(dbname, "pgskip", workers=[name], publishers=[]))
+        roles = {"workers": [name] if kind == "worker" else [], "publishers": []}
+        if kind == "publisher":
+            roles["publishers"] = [name]
+        apply_grants(db_url, grant_statements(dbname, "pgskip", **roles))
         yield as_role(db_url, name, password)
     finally:
         with psycopg.connect(db_url, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP OWNED BY {}").format(role))
         with psycopg.connect(server_dsn, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+                (name,),
+            )
             conn.execute(sql.SQL("DROP ROLE {}").format(role))
 
 

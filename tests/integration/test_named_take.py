@@ -34,6 +34,13 @@ def statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @contextlib.contextmanager
 def _consumers(db_url: str, queue: Queue, n: int) -> Iterator[tuple[list[list[Any]], Hub]]:
+    """See :func:`_consumers_as`, as the database's owner."""
+    with _consumers_as(db_url, queue, n) as consumers:
+        yield consumers
+
+
+@contextlib.contextmanager
+def _consumers_as(url: str, queue: Queue, n: int) -> Iterator[tuple[list[list[Any]], Hub]]:
     """``n`` consumers of ``queue``, each on a transport of its own (as ``n`` workers), all on
     one kombu Hub; heartbeats stopped, so only the consumers' own statements write: (the
     messages each received, the hub)."""
@@ -43,7 +50,7 @@ def _consumers(db_url: str, queue: Queue, n: int) -> Iterator[tuple[list[list[An
     with contextlib.ExitStack() as stack:
         for k in range(n):
             conn = stack.enter_context(
-                Connection(_broker(db_url), transport_options={"polling_interval": 30})
+                Connection(_broker(url), transport_options={"polling_interval": 30})
             )
             Consumer(
                 conn.channel(),
@@ -218,3 +225,52 @@ def test_a_named_message_that_expired_is_not_taken(db_url: str) -> None:
         with psycopg.connect(db_url) as check:
             status = check.execute("SELECT status::text FROM pgskip.jobs WHERE id = %s", (row[0],))
             assert status.fetchone() == ("pending",)
+
+
+def test_notifications_naming_what_a_fetch_would_not_take_take_nothing(
+    db_url: str, pg_server_dsn: str
+) -> None:
+    """Any role that can connect can notify, and a publisher role has every reason to: as the
+    role `pgskip grant --publisher` makes, notifications naming a message of a queue the worker
+    does not consume, one due in an hour, one scheduled, one completed and an id that does not
+    exist make a worker (as the role `pgskip grant --worker` makes) take nothing; a publish
+    right after is taken as ever."""
+    from tests.safety_support import publisher_role, worker_role
+
+    queue = Queue("named_guarded", routing_key="named_guarded")
+    with (
+        publisher_role(pg_server_dsn, db_url) as publisher_url,
+        worker_role(pg_server_dsn, db_url) as worker_url,
+        _consumers_as(worker_url, queue, 1) as (received, hub),
+    ):
+        _publish(db_url, "named_guarded")
+        _run_until(hub, lambda: _all(received) == 1)
+        _settle(hub, received)
+        with psycopg.connect(db_url, autocommit=True) as owner:
+            targets = owner.execute(
+                "INSERT INTO pgskip.jobs (queue, payload, status, run_at) VALUES"
+                " ('not_consumed', '{}', 'pending', now()),"
+                " ('named_guarded', '{}', 'pending', now() + interval '1 hour'),"
+                " ('named_guarded', '{}', 'scheduled', now() + interval '1 hour'),"
+                " ('named_guarded', '{}', 'completed', now())"
+                " RETURNING id, slot"
+            ).fetchall()
+        targets.append((10**12, targets[0][1]))
+        with psycopg.connect(publisher_url, autocommit=True) as attacker:
+            who = attacker.execute("SELECT current_user").fetchone() or ("",)
+            assert who[0].startswith("publisher_")
+            for ident, slot in targets:
+                payload = f"named_guarded\x1f{ident}\x1f{slot}"
+                attacker.execute("SELECT pg_notify('pgskip:pgskip', %s)", (payload,))
+                _run_until(hub, lambda: False, timeout=0.2)
+        assert _all(received) == 1, "nothing taken"
+        with psycopg.connect(db_url) as check:
+            statuses = check.execute(
+                "SELECT status::text FROM pgskip.jobs WHERE id = ANY(%s) ORDER BY id",
+                ([t[0] for t in targets],),
+            ).fetchall()
+        assert statuses == [("pending",), ("pending",), ("scheduled",), ("completed",)]
+        with Connection(_broker(publisher_url)) as conn:
+            Producer(conn.channel()).publish({"i": 1}, exchange="", routing_key="named_guarded")
+        _run_until(hub, lambda: _all(received) == 2, timeout=5)
+        assert _all(received) == 2
