@@ -494,9 +494,9 @@ class _Wakes:
         self.after_commit_key: Hashable = ("pgskip-wakes", executor.schema)
         self._executor = executor
         self._announce = announce
-        # queue -> the one pending message written to it, named ("queue<US>id<US>slot"), or
-        # None (several, or one not named); in the order first written
-        self._queues: dict[str, str | None] = {}
+        # queue -> (id, slot) of the one pending message written to it, or None (several, or
+        # one not named); in the order first written
+        self._queues: dict[str, tuple[int, int] | None] = {}
         self._due: datetime | None = None
 
     def add(
@@ -507,8 +507,7 @@ class _Wakes:
         named: tuple[int, int] | None = None,
     ) -> None:
         if status == "pending":
-            one = queue not in self._queues and named is not None
-            self._queues[queue] = f"{queue}\x1f{named[0]}\x1f{named[1]}" if one and named else None
+            self._queues[queue] = None if queue in self._queues else named
         else:
             self._due_at(run_at)
 
@@ -518,10 +517,12 @@ class _Wakes:
 
     def __call__(self) -> None:
         name, query, params = self._announce
+        named = list(self._queues.values())
         owed = {
             **params,
             "queues": list(self._queues),
-            "named": list(self._queues.values()),
+            "ids": [n[0] if n else None for n in named],
+            "slots": [n[1] if n else None for n in named],
             "run_at": self._due,
         }
         self._executor.announce(name, query, owed)

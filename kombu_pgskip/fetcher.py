@@ -208,7 +208,8 @@ class AsyncFetcher:
         idle = self._drained and not tags
         if named is not None and idle and limit > 0:
             ident, slot = named
-            values = _ack_values(tags, consumer) | {
+            values = {
+                "consumer": str(consumer).encode(),
                 "id": str(ident).encode(),
                 "queues": array_literal(list(queues)),
                 "urgent": array_literal(list(urgent)),

@@ -254,10 +254,10 @@ class Announced:
         due message."""
         seen = [(q, self._named.pop(q)) for q in queues if q in self._named]
         forgotten, self._forgotten = self._forgotten, False
-        if forgotten or len(seen) != 1 or seen[0][1] is None:
+        if forgotten or len(seen) != 1:
             return None
-        queue, (ident, slot) = seen[0][0], seen[0][1]
-        return queue, ident, slot
+        queue, named = seen[0]
+        return None if named is None else (queue, *named)
 
 
 @dataclass

@@ -1198,7 +1198,8 @@ def _owed(messages: Sequence[NewMessage]) -> dict[str, Any]:
             queues[m.queue] = None
         elif m.run_at is not None and (due is None or m.run_at < due):
             due = m.run_at
-    return {"queues": list(queues), "named": [None] * len(queues), "run_at": due}
+    none = [None] * len(queues)  # insert_many's messages are not named
+    return {"queues": list(queues), "ids": none, "slots": none, "run_at": due}
 
 
 def _split(tags: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:

@@ -42,10 +42,11 @@ SELECT {@name_it}, {@wake}
                split_part(n.noted, ':', 3) AS slot
           FROM (SELECT current_setting('pgskip.announced', true) AS noted) AS n) AS i;
 
--- announce_many: the NOTIFYs owed for messages written without theirs (insert_many right before it, in the same round trip; insert_message and insert_many in a caller's transaction, after its commit), as {@wake} and publish_many send them: one per queue given (queues with a pending message), each after the one that names the queue's message where named holds its payload (name_it: a queue that got one message, from insert_message; NULL otherwise), and the earliest due time of the scheduled ones (run_at, NULL if none) on the scheduled channel; one transaction that writes no WAL
-SELECT CASE WHEN i.named IS NOT NULL THEN pg_notify(%(channel)s, i.named) END,
-       pg_notify(%(channel)s, i.queue)
-  FROM unnest(%(queues)s::text[], %(named)s::text[]) AS i(queue, named)
+-- announce_many: the NOTIFYs owed for messages written without theirs (insert_many right before it, in the same round trip; insert_message and insert_many in a caller's transaction, after its commit), as {@wake} and publish_many send them: one per queue given (queues with a pending message), each after the one that names the queue's message ({@name_it}) where ids and slots give it (a queue that got one message, from insert_message; NULL otherwise), and the earliest due time of the scheduled ones (run_at, NULL if none) on the scheduled channel; one transaction that writes no WAL
+SELECT {@name_it}, pg_notify(%(channel)s, i.queue)
+  FROM (SELECT q.queue, 'pending'::text AS status, q.id, q.slot
+          FROM unnest(%(queues)s::text[], %(ids)s::bigint[], %(slots)s::int[])
+               AS q(queue, id, slot)) AS i
 UNION ALL
 SELECT NULL, pg_notify(%(scheduled_channel)s, extract(epoch FROM %(run_at)s::timestamptz)::text)
  WHERE %(run_at)s::timestamptz IS NOT NULL;

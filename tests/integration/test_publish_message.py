@@ -248,6 +248,28 @@ def test_workers_are_notified_at_commit_and_never_on_rollback(app: Celery, db_ur
     assert [n.payload.split("\x1f") for n in notes] == [named, ["invoices"]]
 
 
+def test_after_the_commit_a_queue_s_one_job_is_named_and_several_are_not(
+    app: Celery, db_url: str
+) -> None:
+    """``kombu_pgskip.transaction``: the NOTIFYs after the commit name the job of a queue that
+    got one (queue, id and slot, then the queue alone), and only the queue of one that got
+    two."""
+    import kombu_pgskip
+
+    add = app.tasks["txn.add"]
+    with psycopg.connect(db_url, autocommit=True) as listener:
+        listener.execute(f'LISTEN "{notify_channel("pgskip")}"')
+        with psycopg.connect(db_url) as conn, kombu_pgskip.transaction(conn):
+            apply_async_in(conn, add, args=(1, 2), queue="one")
+            apply_async_in(conn, add, args=(1, 2), queue="two")
+            apply_async_in(conn, add, args=(1, 2), queue="two")
+        notes = list(listener.notifies(timeout=2.0, stop_after=3))
+        assert list(listener.notifies(timeout=0.3)) == []
+        row = listener.execute("SELECT id, slot FROM pgskip.jobs WHERE queue = 'one'").fetchone()
+    assert row is not None
+    assert [n.payload for n in notes] == [f"one\x1f{row[0]}\x1f{row[1]}", "one", "two"]
+
+
 def test_concurrent_transactions_enqueuing_to_one_queue_do_not_wait_for_each_other(
     app: Celery, db_url: str
 ) -> None:
