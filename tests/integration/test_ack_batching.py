@@ -805,9 +805,9 @@ def test_a_message_due_elsewhere_announced_with_one_in_the_slot_is_not_left_to_t
     db_url: str,
 ) -> None:
     """The sweeper returns messages and promotes others with one notification per queue, so
-    one notification can announce a message in the slot an idle consumer looks in first and
-    one in another slot. The look takes the first; its ack then goes with a fetch on every
-    slot, which takes the other, and not alone, which would leave it to the poll."""
+    one notification that names no message can announce a message in the slot new messages go
+    to and one in another slot: the idle consumer's fetch reads every slot and takes both,
+    none is left to the poll."""
     queue = Queue("twoslots", Exchange("twoslots"), "twoslots")
     options = {"polling_interval": 30}
     with (

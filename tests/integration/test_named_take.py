@@ -86,6 +86,13 @@ def _settle(hub: Hub, received: list[list[Any]]) -> None:
     _run_until(hub, lambda: False, timeout=0.3)
 
 
+def _statuses(db_url: str) -> list[tuple[str, int]]:
+    """Every message's status and deliveries."""
+    with psycopg.connect(db_url) as check:
+        rows = check.execute("SELECT status::text, attempts FROM pgskip.jobs ORDER BY id")
+        return [(str(r[0]), int(r[1])) for r in rows.fetchall()]
+
+
 def _all(received: list[list[Any]]) -> int:
     return sum(len(r) for r in received)
 
@@ -110,9 +117,7 @@ def test_an_idle_consumer_takes_the_named_message_by_its_id(
                 assert rest == ["pgskip_ack"], "its ack went alone; nothing else was sent"
         bodies = [m.payload for m in received[0]]
         assert bodies == [{"i": 0}] * 3
-        with psycopg.connect(db_url) as check:
-            rows = check.execute("SELECT status::text, attempts FROM pgskip.jobs").fetchall()
-        assert rows == [("completed", 1)] * 3
+        assert _statuses(db_url) == [("completed", 1)] * 3, "each taken once"
 
 
 def test_idle_consumers_that_lose_the_race_send_one_statement_each(
@@ -137,9 +142,7 @@ def test_idle_consumers_that_lose_the_race_send_one_statement_each(
                 s.startswith("pgskip_take_announced_slot_") for s in fetches
             ), fetches
             _settle(hub, received)
-        with psycopg.connect(db_url) as check:
-            rows = check.execute("SELECT status::text, attempts FROM pgskip.jobs").fetchall()
-        assert rows == [("completed", 1)] * 5
+        assert _statuses(db_url) == [("completed", 1)] * 5, "each taken once"
 
 
 def test_a_message_no_notification_named_is_not_left_to_the_poll(
