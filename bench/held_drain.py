@@ -19,10 +19,11 @@ real messages (inserted as ``publish`` writes them) bring it back to ``--backlog
 
 Once a second the messages completed since a few seconds ago are counted, per second of their
 ``finished_at``. From that series it reports the drain rate before (msg/s), the rate over the last
-60 s of the hold and its ratio to before, the rate in each 10 s window of the hold and after the
-release with the first window after the release at >= 95 % and at >= 100 % of before and the
-slowest one after it, and the size of ``jobs``, its indexes and its TOAST, how many autovacuums
-of ``jobs`` had finished and when the last one did, at the end of each phase. The goal it
+60 s of the hold and its ratio to before, the rate in each 10 s window of every phase (before's
+own windows, slowest to fastest, show how far a 10 s window strays when nothing changes), the
+first window after the release at >= 95 % and at >= 100 % of before and the slowest one after it,
+and the size of ``jobs``, its indexes and its TOAST, how many autovacuums of ``jobs`` had
+finished and when the last one did, at the end of each phase. The goal it
 measures: over the last minute of a 4-minute hold the drain rate stays at least 50 % of before,
 and it is back to 100 % within 10 s of the release.
 
@@ -273,7 +274,10 @@ class DrainResult:
     hold_last_rate: float = 0.0
     hold_last_ratio: float = 0.0
     phases: list[PhaseFigures] = field(default_factory=list)
-    windows: list[Window] = field(default_factory=list)  # hold and after, --window seconds
+    windows: list[Window] = field(default_factory=list)  # before, hold, after: --window s each
+    # the slowest and the fastest of before's own windows, as ratios to before: how far a window
+    # strays from its phase's rate when nothing changes
+    before_spread: tuple[float, float] | None = None
     back_to_95_at: int | None = None  # start of the first window after release at >= 95 %
     back_to_100_at: int | None = None  # ... at >= 100 %
     lowest_after: Window | None = None  # the slowest window after the release
@@ -318,8 +322,14 @@ class DrainResult:
         def at(start: int | None) -> str:
             return "none" if start is None else f"the window starting {start} s after the release"
 
+        spread = (
+            "none"
+            if self.before_spread is None
+            else f"{self.before_spread[0]:.0%} to {self.before_spread[1]:.0%} of before"
+        )
         lines += [
             "",
+            f"before's own windows: {spread}",
             f"back to >= 95 % of before: {at(self.back_to_95_at)}",
             f"back to >= 100 % of before: {at(self.back_to_100_at)}",
             "slowest after the release: "
@@ -481,7 +491,7 @@ def run(
                 last_autovacuum=None if last is None else math.floor(last) - b0,
             )
         )
-        if name in ("warmup", "before"):
+        if name == "warmup":
             continue
         for w0 in range(s0, s1 - window + 1, window):
             w_rate = _sum(per_second, w0, w0 + window) / window
@@ -492,6 +502,9 @@ def run(
     result.hold_last_seconds = h1 - last0
     result.hold_last_rate = _sum(per_second, last0, h1) / max(1, h1 - last0)
     result.hold_last_ratio = ratio(result.hold_last_rate)
+    before_ratios = [w.ratio for w in result.windows if w.phase == "before"]
+    if before_ratios:
+        result.before_spread = (min(before_ratios), max(before_ratios))
     after_windows = [w for w in result.windows if w.phase == "after"]
     result.back_to_95_at = next((w.start for w in after_windows if w.ratio >= 0.95), None)
     result.back_to_100_at = next((w.start for w in after_windows if w.ratio >= 1.0), None)

@@ -63,10 +63,13 @@
    ``jobs``, which its plan reads ``jobs_kept`` alone for (one partition, with the same
    indexes: what the statement costs on one table), and against the statement an idle worker
    sends for a message a notification named (*named*: ``take_announced``, the message by its
-   id on its slot; no acks, the message before marked completed outside the timing). The
-   message waits 10 ms before its fetch (*idle*: the backend and this process asleep in
-   between, as for a task that arrives at an idle worker) or not at all (*busy*). Medians of 5
-   alternating rounds of 200 after 20.
+   id on its slot; no acks, the message before marked completed outside the timing), and
+   against the floor of that take (*floor*: a bare ``UPDATE`` of the message by its id on its
+   slot, setting what the take sets and returning what it returns, prepared with a generic plan
+   on a psycopg connection with asynchronous commit; no queue, pause, limit or expiry
+   conditions, no urgent probe). The message waits 10 ms before its fetch (*idle*: the backend
+   and this process asleep in between, as for a task that arrives at an idle worker) or not at
+   all (*busy*). Medians of 5 alternating rounds of 200 after 20.
 
 9. From a commit to an idle consumer's rows (``--notified-fetch`` runs only this): one
    process publishes a durable message through kombu every ``gap`` (20 ms, as the latency
@@ -328,6 +331,16 @@ def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str
         admin.execute("TRUNCATE pgskip.jobs")
         row = admin.execute("SELECT pgskip.current_slot()").fetchone()
         current = int(row[0]) if row else 1
+    bare = psycopg.connect(url, autocommit=True)
+    bare.execute("SET synchronous_commit TO off")
+    bare.execute("SET plan_cache_mode TO force_generic_plan")
+    floor = (
+        "UPDATE pgskip.jobs"
+        "   SET status = 'running', locked_by = %s, locked_at = now(),"
+        "       attempts = attempts + 1, delivery = (SELECT pg_current_xact_id()::text::bigint)"
+        f" WHERE slot = {current} AND id = %s AND status = 'pending'"
+        " RETURNING id, queue, payload, redelivered, attempts, expires_at, run_at::text"
+    )
     fetchers: dict[str, AsyncFetcher] = {}
     for layout in ("partitioned", "one_partition", "named"):
         fetcher = AsyncFetcher(url, schema="pgskip", asynchronous_commit=True,
@@ -338,16 +351,23 @@ def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str
         fetchers[layout] = fetcher
     # The message of a fetch from jobs_kept is written to its slot (0), the others to the
     # current slot (nothing rotates the ring here).
-    slot = {"partitioned": "pgskip.current_slot()", "one_partition": "0", "named": str(current)}
+    slot = {
+        "partitioned": "pgskip.current_slot()",
+        "one_partition": "0",
+        "named": str(current),
+        "floor": str(current),
+    }
+    layouts: list[tuple[str, AsyncFetcher | None]] = [*fetchers.items(), ("floor", None)]
     samples: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     try:
         with psycopg.connect(url, autocommit=True) as admin:
             admin.execute("SET synchronous_commit TO off")
             for _ in range(rounds):
                 for gap, phase in ((0.01, "idle"), (0.0, "busy")):
-                    for layout, fetcher in fetchers.items():
-                        assert fetcher._conn is not None
-                        pid = fetcher._conn.info.backend_pid
+                    for layout, sender in layouts:
+                        conn = bare if sender is None else sender._conn
+                        assert conn is not None
+                        pid = conn.info.backend_pid
                         tags: list[tuple[int, int]] = []
                         walls: list[float] = []
                         cpu = 0.0
@@ -362,13 +382,22 @@ def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str
                             named = (int(row[0]), int(row[1])) if layout == "named" else None
                             if gap:
                                 time.sleep(gap)
-                            b0, w0 = _backend_cpu_s(pid), time.perf_counter()
-                            fetcher.send(tags, ["partitions"], 4, consumer, named=named)
-                            result = fetcher.wait()
-                            w1, b1 = time.perf_counter(), _backend_cpu_s(pid)
-                            assert result is not None and len(result[1]) == 1, result
-                            tags = [r.tag for r in result[1]]
-                            if layout == "named":  # an idle worker's take carries no acks
+                            if sender is None:
+                                b0, w0 = _backend_cpu_s(pid), time.perf_counter()
+                                taken = bare.execute(
+                                    floor, (consumer, int(row[0])), prepare=True
+                                ).fetchall()
+                                w1, b1 = time.perf_counter(), _backend_cpu_s(pid)
+                                assert len(taken) == 1, taken
+                                tags = [(int(row[0]), 0)]
+                            else:
+                                b0, w0 = _backend_cpu_s(pid), time.perf_counter()
+                                sender.send(tags, ["partitions"], 4, consumer, named=named)
+                                result = sender.wait()
+                                w1, b1 = time.perf_counter(), _backend_cpu_s(pid)
+                                assert result is not None and len(result[1]) == 1, result
+                                tags = [r.tag for r in result[1]]
+                            if layout in ("named", "floor"):  # no acks carried
                                 admin.execute(
                                     "UPDATE pgskip.jobs SET status = 'completed' WHERE id = %s",
                                     (tags[0][0],),
@@ -381,6 +410,7 @@ def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str
                             (1e6 * (median(walls) or 0.0), 1e6 * cpu / calls)
                         )
     finally:
+        bare.close()
         for fetcher in fetchers.values():
             fetcher.close()
     out: dict[str, Any] = {"rounds": rounds, "calls": calls, "idle_gap_s": 0.01}

@@ -20,6 +20,7 @@ def test_worker_drains_through_a_held_snapshot_and_loses_nothing(db_url: str) ->
         hold=10,
         after=5,
         backlog=10_000,
+        window=5,
         sessions=True,
         log=lines.append,
     )
@@ -27,6 +28,11 @@ def test_worker_drains_through_a_held_snapshot_and_loses_nothing(db_url: str) ->
     assert [p.name for p in result.phases] == ["before", "hold", "after"]
     for p in result.phases:
         assert p.completed > 0, f"nothing completed in phase {p.name}"
+    # Every phase is cut into windows; before's tell how far a window strays from its phase's
+    # rate with nothing changing, and their mean is that rate.
+    assert {w.phase for w in result.windows} == {"before", "hold", "after"}
+    assert result.before_spread is not None
+    assert result.before_spread[0] <= 1.0 + 1e-9 and result.before_spread[1] >= 1.0 - 1e-9
     # The backlog never ran out, so the rates are the worker's capacity.
     assert result.min_backlog is not None and result.min_backlog > 0
     # Nothing lost: every message published is completed or still waiting, none failed.
