@@ -83,6 +83,16 @@
    return to the notification and to that statement's answer, p50 over 200 messages; medians
    of 3 alternating rounds.
 
+10. The sweep under a held snapshot (``--sweep-held`` runs only this): another session holds a
+    REPEATABLE READ snapshot while ``--sweep-messages`` messages (default 200,000) go through
+    ``jobs`` as a worker takes them (pending, running, completed; in batches of 5,000), so that
+    every running version stays in the index of running rows. Then the wall time per sweep on
+    a local connection, medians of 7: ``sweep(20)``, which reads every running row at every
+    call (as pg_cron's job does, and every worker's sweep did before migration 0030), and a
+    worker's ``sweep(20, '1 minute')`` within the minute after a read, which does not read
+    them. A worker sweeps every ``sweep_interval`` (10 s), so a fleet of N workers made that
+    read N times per 10 s; a worker's sweep now makes it once a minute per database.
+
 It runs its own EmbeddedPostgres (fsync on) with ``pg_stat_statements`` preloaded.
 """
 
@@ -415,6 +425,63 @@ def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str
             fetcher.close()
     out: dict[str, Any] = {"rounds": rounds, "calls": calls, "idle_gap_s": 0.01}
     out.update(_round_medians(samples, ("wall_us_p50", "server_cpu_us")))
+    return out
+
+
+def sweep_held(url: str, *, messages: int = 200_000, calls: int = 7) -> dict[str, Any]:
+    """Server time per sweep() with and without its read of every running row, under a held
+    snapshot that keeps every running version of ``messages`` messages (part 10 above)."""
+    import uuid
+
+    payload = sample_message_json()
+    batch = 5_000
+    out: dict[str, Any] = {"messages": messages, "calls": calls}
+    with (
+        psycopg.connect(url, autocommit=True) as holder,
+        psycopg.connect(url, autocommit=True) as conn,
+    ):
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM pgskip.sweep_scans")
+        consumer = uuid.uuid4()
+        conn.execute(
+            "INSERT INTO pgskip.consumers (id, hostname, pid, queues, lease_until)"
+            " VALUES (%s, 'bench', 0, '{held}', now() + interval '1 hour')",
+            (consumer,),
+        )
+        t0 = time.perf_counter()
+        for _ in range(messages // batch):
+            ids = [
+                r[0]
+                for r in conn.execute(
+                    "INSERT INTO pgskip.jobs (queue, payload)"
+                    " SELECT 'held', %s::json FROM generate_series(1, %s) RETURNING id",
+                    (payload, batch),
+                ).fetchall()
+            ]
+            conn.execute(
+                "UPDATE pgskip.jobs SET status = 'running', locked_by = %s, locked_at = now()"
+                " WHERE id = ANY(%s)",
+                (consumer, ids),
+            )
+            conn.execute(
+                "UPDATE pgskip.jobs SET status = 'completed', finished_at = now(),"
+                " locked_by = NULL WHERE id = ANY(%s)",
+                (ids,),
+            )
+        out["load_s"] = time.perf_counter() - t0
+        conn.execute("SET jit = off")
+
+        def timed(statement: str) -> float:
+            walls = []
+            for _ in range(calls):
+                w0 = time.perf_counter()
+                conn.execute(statement).fetchall()
+                walls.append(time.perf_counter() - w0)
+            return 1e3 * (median(walls) or 0.0)
+
+        out["reads_ms"] = timed("SELECT * FROM pgskip.sweep(20)")
+        out["skips_ms"] = timed("SELECT * FROM pgskip.sweep(20, '1 minute')")
+        holder.execute("ROLLBACK")
     return out
 
 
@@ -960,6 +1027,15 @@ def main(argv: list[str] | None = None) -> int:
         "--fleet", action="store_true", help="only a routed publish beside a large fleet (part 7)"
     )
     parser.add_argument(
+        "--sweep-held", action="store_true", help="only the sweep under a held snapshot (part 10)"
+    )
+    parser.add_argument(
+        "--sweep-messages",
+        type=int,
+        default=200_000,
+        help="messages taken while the snapshot is held, for --sweep-held",
+    )
+    parser.add_argument(
         "--fleet-sizes",
         type=_ints,
         default=(1, 1000, 3000),
@@ -1001,8 +1077,11 @@ def main(argv: list[str] | None = None) -> int:
             or args.e2e_cpu
             or args.blocking
             or args.fleet
+            or args.sweep_held
         ):
             report = {}
+            if args.sweep_held:
+                report["sweep_held"] = sweep_held(url, messages=args.sweep_messages)
             if args.fleet:
                 report["fleet"] = fleet(url, sizes=args.fleet_sizes)
             if args.publish_cpu:

@@ -60,6 +60,9 @@ WORKER_PRIVILEGES: tuple[Privilege, ...] = (
     ("jobs_rotation", "SELECT", ()),
     ("jobs_rotation", "UPDATE", ("slot", "first_id", "since", "blocked_since")),
     *((f"jobs_{k}", "TRUNCATE", ()) for k in range(1, JOB_SLOTS + 1)),
+    # sweep(): when a sweep last read every running message (migration 0030).
+    ("sweep_scans", "SELECT", ()),
+    ("sweep_scans", "UPDATE", ("scanned_at", "complete")),
 )
 #: The columns a publish writes: a publisher cannot insert a message already running under a
 #: consumer, already attempted, or with an id of its choosing.
@@ -102,6 +105,7 @@ PUBLISHER_PRIVILEGES: tuple[Privilege, ...] = (
 WORKER_FUNCTIONS = (
     "expire_queues()",
     "sweep(integer)",
+    "sweep(integer, interval)",
     "rotate()",
     "rotation_keeps(smallint, interval)",
     "rotation_keeps_more(smallint, interval, bigint)",

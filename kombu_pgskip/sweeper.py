@@ -32,6 +32,14 @@ logger = logging.getLogger(__name__)
 
 #: Less time than this left before the deadline: the next statement is left for later.
 MIN_STATEMENT_S = 0.05
+#: A worker's sweep reads every running message, for those of consumers no longer known (left
+#: by a sweep that reached its batch limit, or deleted by hand), only where no sweep of the
+#: database began such a read this long ago (migration 0030). The read walks every row version
+#: that became running since vacuum last passed (while a snapshot is held, all of them): at
+#: every sweep of every worker it cost a fleet of N workers N such walks every
+#: ``sweep_interval``. The rows of consumers a sweep takes for dead are read at once, whatever
+#: this says.
+ORPHAN_SCAN_EVERY_S = 60.0
 
 
 class OutOfTime(Exception):
@@ -75,7 +83,9 @@ class Sweeper:
         try:
             while True:
                 with bounded(store, deadline):
-                    r, f, c = store.sweep(max_attempts=self.max_attempts)
+                    r, f, c = store.sweep(
+                        max_attempts=self.max_attempts, scan_every=ORPHAN_SCAN_EVERY_S
+                    )
                 requeued, failed, forgotten = requeued + r, failed + f, forgotten + c
                 if r + f < SWEEP_BATCH:
                     break

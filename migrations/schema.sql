@@ -800,6 +800,18 @@ CREATE FUNCTION pgskip.sweep(max_attempts integer DEFAULT 20) RETURNS TABLE(requ
     SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
     SET jit TO 'off'
     AS $$
+    SELECT * FROM sweep(max_attempts, interval '0 seconds');
+$$;
+
+--
+-- Name: sweep(integer, interval); Type: FUNCTION; Schema: pgskip; Owner: -
+--
+
+CREATE FUNCTION pgskip.sweep(max_attempts integer, scan_every interval) RETURNS TABLE(requeued bigint, failed bigint, consumers_forgotten bigint, promoted bigint)
+    LANGUAGE sql
+    SET search_path TO 'pgskip', 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
+    AS $$
 -- The advisory locks held in this database, as pg_advisory_lock(bigint) keys: read after
 -- this statement's snapshot was taken, so a row it sees was marked while its lock was held.
 WITH held AS MATERIALIZED (
@@ -833,14 +845,36 @@ WITH held AS MATERIALIZED (
                             AND d.lock_key NOT IN (SELECT h.key FROM held AS h))
                        FOR UPDATE SKIP LOCKED)
     RETURNING c.id
+), look AS MATERIALIZED (
+    -- Whether this sweep looks for the running rows of consumers it forgot or no longer known:
+    -- where it forgot consumers itself, where the last look left rows behind, or where none
+    -- began scan_every ago (or one is dated ahead of now(): a clock set back, or the row
+    -- written so as to stop the looks).
+    SELECT EXISTS (SELECT FROM gone)
+           OR EXISTS (SELECT FROM sweep_scans AS s
+                       WHERE NOT s.complete
+                          OR s.scanned_at <= now() - scan_every
+                          OR s.scanned_at > now()) AS due
 ), lost AS (
+    -- Every running row is read here, and while a snapshot is held every row version that
+    -- became running since it began, dead or not. Where look says no, a one-time filter
+    -- skips the whole read.
     SELECT j.id
       FROM jobs AS j
-     WHERE j.status = 'running'
+     WHERE (SELECT l.due FROM look AS l)
+       AND j.status = 'running'
        AND (j.locked_by IN (SELECT g.id FROM gone AS g)
             OR NOT EXISTS (SELECT 1 FROM consumers AS c WHERE c.id = j.locked_by))
      LIMIT 10000
        FOR UPDATE OF j SKIP LOCKED
+), looked AS (
+    -- When this look began, and whether it left rows behind (rows another sweep has locked
+    -- are that sweep's to return). A sweep that holds the row meanwhile is skipped.
+    UPDATE sweep_scans AS s
+       SET scanned_at = now(), complete = (SELECT count(*) FROM lost) < 10000
+     WHERE (SELECT l.due FROM look AS l)
+       AND s.only_row IN (SELECT t.only_row FROM sweep_scans AS t FOR UPDATE SKIP LOCKED)
+    RETURNING 1
 ), r AS (
     -- A message whose task finished it in its own transaction (finished_at set while
     -- running: kombu_pgskip.completing) is completed: its work committed, it never runs again.
@@ -1475,6 +1509,35 @@ CREATE TABLE pgskip.queues (
 );
 
 --
+-- Name: sweep_scans; Type: TABLE; Schema: pgskip; Owner: -
+--
+
+CREATE TABLE pgskip.sweep_scans (
+    only_row boolean DEFAULT true NOT NULL,
+    scanned_at timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL,
+    complete boolean DEFAULT true NOT NULL,
+    CONSTRAINT sweep_scans_only_row_check CHECK (only_row)
+);
+
+--
+-- Name: TABLE sweep_scans; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON TABLE pgskip.sweep_scans IS 'when a sweep last read every running message of jobs for those of unknown consumers';
+
+--
+-- Name: COLUMN sweep_scans.scanned_at; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.sweep_scans.scanned_at IS 'when the last such read began';
+
+--
+-- Name: COLUMN sweep_scans.complete; Type: COMMENT; Schema: pgskip; Owner: -
+--
+
+COMMENT ON COLUMN pgskip.sweep_scans.complete IS 'false: it reached its batch limit, so the next sweep reads them again';
+
+--
 -- Name: unique_keys; Type: TABLE; Schema: pgskip; Owner: -
 --
 
@@ -1682,6 +1745,13 @@ ALTER TABLE ONLY pgskip.queue_limits
 
 ALTER TABLE ONLY pgskip.queues
     ADD CONSTRAINT queues_pkey PRIMARY KEY (name);
+
+--
+-- Name: sweep_scans sweep_scans_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
+--
+
+ALTER TABLE ONLY pgskip.sweep_scans
+    ADD CONSTRAINT sweep_scans_pkey PRIMARY KEY (only_row);
 
 --
 -- Name: unique_keys unique_keys_pkey; Type: CONSTRAINT; Schema: pgskip; Owner: -
@@ -2538,3 +2608,9 @@ REVOKE ALL ON FUNCTION pgskip.rotation_keeps_more(k smallint, completed_retentio
 --
 
 REVOKE ALL ON FUNCTION pgskip.sweep(max_attempts integer) FROM PUBLIC;
+
+--
+-- Name: FUNCTION sweep(max_attempts integer, scan_every interval); Type: ACL; Schema: pgskip; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgskip.sweep(max_attempts integer, scan_every interval) FROM PUBLIC;

@@ -1011,6 +1011,8 @@ def _granted_before(
                 continue
             if version <= 28 and "rotation_keeps_more" in text:
                 continue
+            if version <= 30 and ("sweep_scans" in text or "sweep(integer, interval)" in text):
+                continue
             if version <= 28 and ', "blocked_since")' in text:
                 text = text.replace(', "blocked_since")', ")")
                 g = Grant(g.role, g.what, sql.Composed([sql.SQL(text)]))
@@ -1260,3 +1262,70 @@ def test_a_publisher_cannot_revoke_a_waiting_message(tidy: Deployment) -> None:
     assert done.returncode == 1, done.stdout
     assert "lacks a privilege" in done.stderr, done.stderr
     assert tidy.snapshot() == before
+
+
+def _orphan(db_url: str) -> int:
+    """A running message whose consumer is no longer known, as a superuser puts it."""
+    row = rows(
+        db_url,
+        "INSERT INTO pgskip.jobs (queue, payload, status, locked_by, locked_at, attempts)"
+        " VALUES ('orphaned', '{}'::json, 'running', gen_random_uuid(), now(), 1) RETURNING id",
+    )
+    return int(row[0][0])
+
+
+def test_no_role_stops_the_sweeps_from_reading_running_messages(tidy: Deployment) -> None:
+    """``sweep_scans`` says when a sweep last read every running message (migration 0030). A
+    publisher may neither read nor write it nor sweep; a worker may write when (it sweeps
+    anyway: a false claim holds the next read back by a minute at most), and a time it writes
+    ahead of the server's clock holds back no read; it may not add, delete or empty the row."""
+    with psycopg.connect(tidy.url("publisher"), autocommit=True) as conn:
+        for statement in (
+            "SELECT * FROM pgskip.sweep_scans",
+            "UPDATE pgskip.sweep_scans SET scanned_at = 'infinity'",
+            "DELETE FROM pgskip.sweep_scans",
+            "SELECT * FROM pgskip.sweep(20, '1 hour')",
+        ):
+            _denied(conn, statement)
+    with psycopg.connect(tidy.url("worker"), autocommit=True) as conn:
+        for statement in (
+            "DELETE FROM pgskip.sweep_scans",
+            "TRUNCATE pgskip.sweep_scans",
+            "INSERT INTO pgskip.sweep_scans (scanned_at) VALUES (now())",
+            "UPDATE pgskip.sweep_scans SET only_row = false",
+        ):
+            _denied(conn, statement)
+        conn.execute("UPDATE pgskip.sweep_scans SET scanned_at = 'infinity', complete = true")
+    orphan = _orphan(tidy.db_url)
+    before = tidy.snapshot()
+    worker = Store(broker(tidy.url("worker")))
+    try:
+        assert worker.sweep(max_attempts=20, scan_every=3600) == (1, 0, 0)
+    finally:
+        worker.close()
+    assert rows(tidy.db_url, f"SELECT status::text FROM pgskip.jobs WHERE id = {orphan}") == [
+        ("pending",)
+    ]
+    assert tidy.snapshot() == before
+
+
+def test_migration_0030_lets_workers_granted_before_it_sweep(
+    any_pg_server: PgServer, versioned_empty_db_url: str, tmp_path: Any
+) -> None:
+    """A worker's sweep reads the running messages once a minute through a function and a table
+    of migration 0030: a worker role granted by an older `pgskip grant` sweeps with both after
+    the upgrade, and with the function older code calls; a publisher does neither."""
+    db_url = versioned_empty_db_url
+    with _granted_before(any_pg_server, db_url, tmp_path, 30) as (worker, publisher):
+        store = Store(broker(worker.url(db_url)))
+        try:
+            _orphan(db_url)
+            assert store.sweep(max_attempts=20, scan_every=60) == (1, 0, 0)
+            _orphan(db_url)
+            assert store.sweep(max_attempts=20, scan_every=60) == (0, 0, 0)
+            assert store.sweep(max_attempts=20) == (1, 0, 0)
+        finally:
+            store.close()
+        with psycopg.connect(publisher.url(db_url), autocommit=True) as conn:
+            _denied(conn, "SELECT * FROM pgskip.sweep(20, '1 minute')")
+            _denied(conn, "SELECT * FROM pgskip.sweep_scans")

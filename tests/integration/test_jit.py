@@ -16,6 +16,7 @@ from kombu_pgskip.urls import connect
 #: What workers and pg_cron's jobs call (``pgskip tick``, the maintenance and beat jobs).
 MAINTENANCE = (
     "sweep(integer)",
+    "sweep(integer, interval)",
     "prune(interval, interval)",
     "prune_completed_batch(timestamptz, integer)",
     "prune_unique_keys(integer)",
