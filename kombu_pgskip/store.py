@@ -725,9 +725,9 @@ class Store:
         """Rows of dead consumers, whose lease ran out or whose process's session ended:
         (requeued, failed, consumers forgotten); at most ``SWEEP_BATCH`` rows a call, rows
         and consumers another session has locked skipped. Due scheduled rows are promoted
-        too (the maintenance job's sweep, one definition). Running rows of consumers no longer
-        known (not taken for dead by this call) are looked for unless a look began in the
-        database less than ``scan_every`` seconds ago and left nothing behind."""
+        too (the maintenance job's sweep, one definition). The running rows of consumers no
+        longer known (not taken for dead by this call) are read for unless the database's last
+        such read began less than ``scan_every`` seconds ago and left nothing behind."""
         params = {"max_attempts": max_attempts, "scan_every": scan_every}
         row = self.execute("sweep", params)[0]
         return int(row[0]), int(row[1]), int(row[2])

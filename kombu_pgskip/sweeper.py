@@ -33,11 +33,11 @@ logger = logging.getLogger(__name__)
 #: Less time than this left before the deadline: the next statement is left for later.
 MIN_STATEMENT_S = 0.05
 #: A worker's sweep reads every running message, for those of consumers no longer known (left
-#: by a sweep that reached its batch limit, or deleted by hand), only where no sweep of the
-#: database began such a read this long ago (migration 0030). The read walks every row version
-#: that became running since vacuum last passed (while a snapshot is held, all of them): at
-#: every sweep of every worker it cost a fleet of N workers N such walks every
-#: ``sweep_interval``. The rows of consumers a sweep takes for dead are read at once, whatever
+#: by a sweep that reached its batch limit, or deleted by hand), where the database's last such
+#: read began this long ago or more, or left rows behind (migration 0030). The read walks every
+#: row version that became running since vacuum last passed (while a snapshot is held, all of
+#: them): made at every sweep of every worker, it cost a fleet of N workers N such walks every
+#: ``sweep_interval``. The rows of consumers a sweep takes for dead it reads at once, whatever
 #: this says.
 ORPHAN_SCAN_EVERY_S = 60.0
 

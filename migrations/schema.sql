@@ -846,10 +846,10 @@ WITH held AS MATERIALIZED (
                        FOR UPDATE SKIP LOCKED)
     RETURNING c.id
 ), look AS MATERIALIZED (
-    -- Whether this sweep looks for the running rows of consumers it forgot or no longer known:
-    -- where it forgot consumers itself, where the last look left rows behind, or where none
-    -- began scan_every ago (or one is dated ahead of now(): a clock set back, or the row
-    -- written so as to stop the looks).
+    -- Whether this sweep reads the running rows, for those of consumers it forgot or no longer
+    -- known: where it forgot consumers itself, where the last read left rows behind, or where
+    -- the last began scan_every ago or more (or is dated ahead of now(): a clock set back, or
+    -- the row written so as to stop the reads).
     SELECT EXISTS (SELECT FROM gone)
            OR EXISTS (SELECT FROM sweep_scans AS s
                        WHERE NOT s.complete
@@ -868,8 +868,8 @@ WITH held AS MATERIALIZED (
      LIMIT 10000
        FOR UPDATE OF j SKIP LOCKED
 ), looked AS (
-    -- When this look began, and whether it left rows behind (rows another sweep has locked
-    -- are that sweep's to return). A sweep that holds the row meanwhile is skipped.
+    -- When this read began, and whether it left rows behind (rows another sweep has locked
+    -- are that sweep's to return). While another sweep holds the row, it writes it.
     UPDATE sweep_scans AS s
        SET scanned_at = now(), complete = (SELECT count(*) FROM lost) < 10000
      WHERE (SELECT l.due FROM look AS l)

@@ -3,7 +3,7 @@
 -- {@name} includes the block of that name, from any of the runtime files.
 -- A live worker's maintenance (kombu_pgskip.sweeper) and the promotion of scheduled messages.
 
--- sweep: return rows of dead consumers (lease run out, or the session of their process ended: migration 0016) to pending (or failed past max_attempts), forget those consumers, and promote due scheduled rows: the SQL function sweep(), which the maintenance job runs too; the rows of consumers no longer known are looked for only where none began scan_every seconds ago in the database (migration 0030); returns (requeued, failed, consumers forgotten)
+-- sweep: return rows of dead consumers (lease run out, or the session of their process ended: migration 0016) to pending (or failed past max_attempts), forget those consumers, and promote due scheduled rows: the SQL function sweep(), which the maintenance job runs too; the running rows are read for those of consumers no longer known only where the database's last such read began scan_every seconds ago or more, or left rows behind (migration 0030); returns (requeued, failed, consumers forgotten)
 SELECT requeued, failed, consumers_forgotten
   FROM {schema}.sweep(%(max_attempts)s, make_interval(secs => %(scan_every)s));
 
