@@ -429,7 +429,7 @@ def fetch_partitions(url: str, *, rounds: int = 5, calls: int = 200) -> dict[str
 
 
 def sweep_held(url: str, *, messages: int = 200_000, calls: int = 7) -> dict[str, Any]:
-    """Server time per sweep() with and without its read of every running row, under a held
+    """Wall time per sweep() with and without its read of every running row, under a held
     snapshot that keeps every running version of ``messages`` messages (part 10 above)."""
     import uuid
 
