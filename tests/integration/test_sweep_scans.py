@@ -71,9 +71,9 @@ def test_a_worker_s_sweep_reads_every_running_message_once_a_minute(
     later = _orphans(db_url, 1)
     assert _sweep(store) == (0, 0, 0)  # a read began less than a minute ago
     assert _statuses(db_url, later) == {"running"}
-    _move_clock(db_url, f"{ORPHAN_SCAN_EVERY_S - 1} seconds")
+    _move_clock(db_url, f"{ORPHAN_SCAN_EVERY_S - 10} seconds")
     assert _sweep(store) == (0, 0, 0)
-    _move_clock(db_url, "2 seconds")
+    _move_clock(db_url, "11 seconds")
     assert _sweep(store) == (1, 0, 0)
     assert _statuses(db_url, later) == {"pending"}
 
