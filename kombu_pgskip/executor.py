@@ -507,9 +507,14 @@ class _Wakes:
         named: tuple[int, int] | None = None,
     ) -> None:
         if status == "pending":
-            self._queues[queue] = None if queue in self._queues else named
+            self._owe(queue, named)
         else:
             self._due_at(run_at)
+
+    def _owe(self, queue: str, named: tuple[int, int] | None) -> None:
+        """Owe the notification of a pending message of ``queue``: named by its (id, slot)
+        while it is the queue's only one."""
+        self._queues[queue] = None if queue in self._queues else named
 
     def _due_at(self, run_at: datetime | None) -> None:
         if run_at is not None and (self._due is None or run_at < self._due):
@@ -530,7 +535,7 @@ class _Wakes:
     def merge(self, other: _Wakes) -> None:
         """Owe what ``other`` owes too (a nested block's, once it was kept)."""
         for queue, named in other._queues.items():
-            self._queues[queue] = None if queue in self._queues else named
+            self._owe(queue, named)
         self._due_at(other._due)
 
 

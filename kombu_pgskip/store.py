@@ -438,12 +438,10 @@ class Store:
                         extra={"action": "announce_failed"},
                     )
         if wakes is not None:
-            if one and rows:
-                # insert_message: the message's id and slot, for its notification to name it
-                wakes.add(messages[0].queue, messages[0].status, messages[0].run_at,
-                          named=(int(rows[0][0]), int(rows[0][1])))  # fmt: skip
-            for m in messages if not one or not rows else ():
-                wakes.add(m.queue, m.status, m.run_at)
+            # insert_message returns the message's id and slot, for its notification to name it
+            named = (int(rows[0][0]), int(rows[0][1])) if one and rows else None
+            for m in messages:
+                wakes.add(m.queue, m.status, m.run_at, named=named)
         return [int(r[0]) for r in rows]
 
     def _notify_placement(self, inserts: _Inserts) -> _Placement:

@@ -327,3 +327,17 @@ def plain_notes(
 def woken(listener: psycopg.Connection[Any], count: int, timeout: float = 2.0) -> list[str]:
     """The payloads of :func:`plain_notes`."""
     return [n.payload for n in plain_notes(listener, count, timeout)]
+
+
+def running_orphans(db_url: str, n: int = 1, queue: str = "q") -> list[int]:
+    """``n`` running messages of ``queue`` whose consumer is no longer known (no consumers row:
+    deleted by hand, or left by a sweep that reached its batch limit), as a superuser writes
+    them; their ids."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        rows = conn.execute(
+            "INSERT INTO pgskip.jobs (queue, payload, status, locked_by, locked_at, attempts)"
+            " SELECT %s, '{}'::json, 'running', gen_random_uuid(), now(), 1"
+            "   FROM generate_series(1, %s) RETURNING id",
+            (queue, n),
+        ).fetchall()
+    return [int(r[0]) for r in rows]

@@ -45,7 +45,7 @@ from kombu_pgskip.periodic import fire_due
 from kombu_pgskip.queue_args import set_queue_arguments
 from kombu_pgskip.store import NewMessage, Store
 from tests.conftest import PgServer
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, running_orphans
 from tests.periodic_support import make_app
 from tests.safety_support import (
     Role,
@@ -1264,16 +1264,6 @@ def test_a_publisher_cannot_revoke_a_waiting_message(tidy: Deployment) -> None:
     assert tidy.snapshot() == before
 
 
-def _orphan(db_url: str) -> int:
-    """A running message whose consumer is no longer known, as a superuser puts it."""
-    row = rows(
-        db_url,
-        "INSERT INTO pgskip.jobs (queue, payload, status, locked_by, locked_at, attempts)"
-        " VALUES ('orphaned', '{}'::json, 'running', gen_random_uuid(), now(), 1) RETURNING id",
-    )
-    return int(row[0][0])
-
-
 def test_no_role_stops_the_sweeps_from_reading_running_messages(tidy: Deployment) -> None:
     """``sweep_scans`` says when a sweep last read every running message (migration 0030). A
     publisher may neither read nor write it nor sweep; a worker may write when (it sweeps
@@ -1296,7 +1286,7 @@ def test_no_role_stops_the_sweeps_from_reading_running_messages(tidy: Deployment
         ):
             _denied(conn, statement)
         conn.execute("UPDATE pgskip.sweep_scans SET scanned_at = 'infinity', complete = true")
-    orphan = _orphan(tidy.db_url)
+    (orphan,) = running_orphans(tidy.db_url, queue="orphaned")
     before = tidy.snapshot()
     worker = Store(broker(tidy.url("worker")))
     try:
@@ -1319,9 +1309,9 @@ def test_migration_0030_lets_workers_granted_before_it_sweep(
     with _granted_before(any_pg_server, db_url, tmp_path, 30) as (worker, publisher):
         store = Store(broker(worker.url(db_url)))
         try:
-            _orphan(db_url)
+            running_orphans(db_url)
             assert store.sweep(max_attempts=20, scan_every=60) == (1, 0, 0)
-            _orphan(db_url)
+            running_orphans(db_url)
             assert store.sweep(max_attempts=20, scan_every=60) == (0, 0, 0)
             assert store.sweep(max_attempts=20) == (1, 0, 0)
         finally:

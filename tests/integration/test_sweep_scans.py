@@ -20,6 +20,7 @@ import pytest
 
 from kombu_pgskip.store import SWEEP_BATCH, NewMessage, Store
 from kombu_pgskip.sweeper import ORPHAN_SCAN_EVERY_S
+from tests.helpers import running_orphans
 
 
 @pytest.fixture
@@ -34,18 +35,6 @@ def store(db_url: str) -> Iterator[Store]:
 def _sweep(store: Store) -> tuple[int, int, int]:
     """A worker's sweep."""
     return store.sweep(max_attempts=20, scan_every=ORPHAN_SCAN_EVERY_S)
-
-
-def _orphans(db_url: str, n: int) -> list[int]:
-    """``n`` running messages whose consumer is no longer known."""
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        rows = conn.execute(
-            "INSERT INTO pgskip.jobs (queue, payload, status, locked_by, locked_at, attempts)"
-            " SELECT 'q', '{}'::json, 'running', gen_random_uuid(), now(), 1"
-            "   FROM generate_series(1, %s) RETURNING id",
-            (n,),
-        ).fetchall()
-    return [int(r[0]) for r in rows]
 
 
 def _statuses(db_url: str, ids: list[int]) -> set[str]:
@@ -65,10 +54,10 @@ def _move_clock(db_url: str, by: str) -> None:
 def test_a_worker_s_sweep_reads_every_running_message_once_a_minute(
     store: Store, db_url: str
 ) -> None:
-    first = _orphans(db_url, 2)
+    first = running_orphans(db_url, 2)
     assert _sweep(store) == (2, 0, 0)
     assert _statuses(db_url, first) == {"pending"}
-    later = _orphans(db_url, 1)
+    later = running_orphans(db_url, 1)
     assert _sweep(store) == (0, 0, 0)  # a read began less than a minute ago
     assert _statuses(db_url, later) == {"running"}
     _move_clock(db_url, f"{ORPHAN_SCAN_EVERY_S - 10} seconds")
@@ -80,11 +69,11 @@ def test_a_worker_s_sweep_reads_every_running_message_once_a_minute(
 
 def test_sweep_with_max_attempts_alone_reads_every_time(store: Store, db_url: str) -> None:
     assert _sweep(store) == (0, 0, 0)  # a read just began
-    orphans = _orphans(db_url, 1)
+    orphans = running_orphans(db_url, 1)
     with psycopg.connect(db_url, autocommit=True) as conn:
         assert conn.execute("SELECT * FROM pgskip.sweep(20)").fetchone() == (1, 0, 0, 0)
     assert _statuses(db_url, orphans) == {"pending"}
-    _orphans(db_url, 1)
+    running_orphans(db_url, 1)
     assert store.sweep(max_attempts=20) == (1, 0, 0)
 
 
@@ -105,18 +94,18 @@ def test_the_messages_of_a_consumer_taken_for_dead_go_back_at_once(
 def test_a_read_that_reached_the_batch_limit_goes_on_at_the_next_sweep(
     store: Store, db_url: str
 ) -> None:
-    orphans = _orphans(db_url, SWEEP_BATCH + 5)
+    orphans = running_orphans(db_url, SWEEP_BATCH + 5)
     assert _sweep(store) == (SWEEP_BATCH, 0, 0)
     assert _sweep(store) == (5, 0, 0)
     assert _statuses(db_url, orphans) == {"pending"}
-    _orphans(db_url, 1)
+    running_orphans(db_url, 1)
     assert _sweep(store) == (0, 0, 0)  # that read left nothing behind
 
 
 def test_a_read_dated_ahead_of_the_server_clock_stops_no_read(store: Store, db_url: str) -> None:
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("UPDATE pgskip.sweep_scans SET scanned_at = 'infinity'")
-    orphans = _orphans(db_url, 1)
+    orphans = running_orphans(db_url, 1)
     assert _sweep(store) == (1, 0, 0)
     assert _statuses(db_url, orphans) == {"pending"}
 
@@ -127,7 +116,7 @@ def test_a_sweep_that_does_not_read_them_scans_no_index_of_running_messages(
     """The whole point: the read is skipped, not filtered row by row. The plan of sweep()'s
     statement (auto_explain, as PostgreSQL ran it): every scan of a slot's running rows is
     never executed."""
-    _orphans(db_url, 3)
+    running_orphans(db_url, 3)
     plans: list[str] = []
     with psycopg.connect(db_url, autocommit=True) as conn:
         assert conn.execute("SELECT * FROM pgskip.sweep(20, '1 minute')").fetchone() == (
